@@ -1,0 +1,126 @@
+"""`NMSparseLinear`: a linear layer whose weight exists only as compressed N:M values plus codes.
+
+Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row.
+
+    forward:   W = scatter(values, index)           [O, I]  (transient, never saved)
+               y = x @ W^T (+ b)                     [T, O]
+    backward:  W = scatter(values, index)           (recomputed)
+               grad_x      = g @ W                   [T, I]
+               grad_values = gather(g^T @ x, index)  [O, K]  (only kept positions leave the Function)
+
+Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins are memory, optimizer state
+and communication; speed comes from 2:4 kernels at inference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distsparse.nm import NMMeta, NMSpec, codes_shape, encode, gather_kept, is_legal, kept_index, random_mask, scatter_kept
+
+INIT_MODES = ("swi", "hf")
+
+
+class NMLinearFunction(torch.autograd.Function):
+    """y = x @ scatter(values)^T + b; saves x, values and the flat index only (no dense [O, I] tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+                in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = (values.shape[0], in_features)
+        weight = scatter_kept(values, index, shape)
+        ctx.save_for_backward(x, values, index)
+        ctx.in_features = in_features
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, values, index = ctx.saved_tensors
+        out_features, kept = values.shape
+        grad_x = grad_values = grad_bias = None
+        grad_y2 = grad_y.reshape(-1, out_features)
+        if ctx.needs_input_grad[0]:
+            weight = scatter_kept(values, index, (out_features, ctx.in_features))
+            grad_x = (grad_y2 @ weight).view(*grad_y.shape[:-1], ctx.in_features)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_y2.t() @ x.reshape(-1, ctx.in_features).to(grad_y2.dtype)
+            grad_values = gather_kept(grad_w, index, kept).to(values.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            grad_bias = grad_y2.sum(0)
+        return grad_x, grad_values, None, None, grad_bias
+
+
+class NMSparseLinear(nn.Module):
+    """Drop-in for `nn.Linear` with an N:M sparse weight held as `values` [O, K] + `codes` (uint8 buffer).
+
+    The int64 flat index is a non-persistent cache rebuilt whenever `set_codes` changes the topology.
+    """
+
+    def __init__(self, in_features: int, out_features: int, spec: NMSpec, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 init: str = "swi", init_std: float = 0.02, seed: int = 0):
+        super().__init__()
+        spec.check_shape(out_features, in_features)
+        if init not in INIT_MODES:
+            raise ValueError(f"init: got {init!r}; allowed: {', '.join(INIT_MODES)}")
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.init, self.init_std, self.seed = init, init_std, seed
+        kept = spec.kept_per_row(in_features)
+        self.values = nn.Parameter(torch.empty(out_features, kept, device=device, dtype=dtype))
+        self.register_buffer("codes", torch.zeros(codes_shape(spec, out_features, in_features),
+                                                  dtype=torch.uint8, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+        self._index: torch.Tensor | None = None
+        if self.values.device.type != "meta":
+            self.reset_parameters()
+
+    @property
+    def meta(self) -> NMMeta:
+        return NMMeta(self.codes, self.spec, (self.out_features, self.in_features))
+
+    @property
+    def index(self) -> torch.Tensor:
+        if self._index is None or self._index.device != self.codes.device:
+            self._index = kept_index(self.meta)
+        return self._index
+
+    def init_std_value(self) -> float:
+        """SWI: N(0, 2 / (density * fan_in)) (sparse weight init); hf: the model's initializer_range."""
+        if self.init == "swi":
+            return math.sqrt(2.0 / (self.spec.density * self.in_features))
+        return self.init_std
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A uniformly random legal mask and fresh values, both drawn from a generator seeded by `seed`,
+        so materializing from the meta device gives the same layer on every rank."""
+        gen = torch.Generator().manual_seed(self.seed)
+        mask = random_mask(self.out_features, self.in_features, self.spec, gen)
+        self.set_codes(encode(mask, self.spec).codes.to(self.codes.device))
+        vals = torch.randn(self.values.shape, generator=gen) * self.init_std_value()
+        self.values.copy_(vals.to(self.values.dtype))
+        if self.bias is not None:
+            self.bias.zero_()
+
+    @torch.no_grad()
+    def set_codes(self, codes: torch.Tensor) -> None:
+        """Install a new topology (values must be moved by the caller) and drop the cached index."""
+        meta = NMMeta(codes, self.spec, (self.out_features, self.in_features))
+        assert is_legal(meta), f"illegal codes for {self.spec} {meta.shape}"
+        self.codes.copy_(codes)
+        self._index = None
+
+    def dense_weight(self) -> torch.Tensor:
+        """The decompressed [O, I] weight (for export and tests; never used in training)."""
+        return scatter_kept(self.values.detach(), self.index, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NMLinearFunction.apply(x, self.values, self.index, self.in_features, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, sparsity={self.spec}"

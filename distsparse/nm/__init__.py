@@ -1,0 +1,14 @@
+"""N:M pattern libraries and compressed storage (values + packed index metadata)."""
+
+from distsparse.nm.patterns import block_motifs, motif_ids, row_patterns
+from distsparse.nm.spec import NMSpec
+from distsparse.nm.storage import (
+    NMMeta, codes_shape, compress, decode, decompress, encode, gather_kept, group_counts_ok, is_legal,
+    kept_index, mask_from_scores, random_mask, scatter_kept,
+)
+
+__all__ = [
+    "NMMeta", "NMSpec", "block_motifs", "codes_shape", "compress", "decode", "decompress", "encode",
+    "gather_kept", "group_counts_ok", "is_legal", "kept_index", "mask_from_scores", "motif_ids",
+    "random_mask", "row_patterns", "scatter_kept",
+]
