@@ -1,6 +1,7 @@
 """N:M pattern libraries and compressed storage (values + packed index metadata)."""
 
 from distsparse.nm.patterns import block_motifs, motif_ids, row_patterns
+from distsparse.nm.slots import move_slots, slot_map
 from distsparse.nm.spec import NMSpec
 from distsparse.nm.storage import (
     NMMeta, codes_shape, compress, decode, decompress, encode, gather_kept, group_counts_ok, is_legal,
@@ -10,5 +11,5 @@ from distsparse.nm.storage import (
 __all__ = [
     "NMMeta", "NMSpec", "block_motifs", "codes_shape", "compress", "decode", "decompress", "encode",
     "gather_kept", "group_counts_ok", "is_legal", "kept_index", "mask_from_scores", "motif_ids",
-    "random_mask", "row_patterns", "scatter_kept",
+    "move_slots", "random_mask", "row_patterns", "scatter_kept", "slot_map",
 ]
