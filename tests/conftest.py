@@ -15,3 +15,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def ranks2():
+    """Two gloo ranks (OMP_NUM_THREADS=1) shared by every multi-rank test of the session."""
+    from rankpool import RankPool
+    pool = RankPool(2)
+    yield pool
+    pool.close()

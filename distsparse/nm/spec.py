@@ -20,7 +20,7 @@ class NMSpec:
         if not isinstance(self.n, int) or not 1 <= self.n < self.m:
             raise ValueError(f"sparsity N: got {self.n!r} for M={self.m}; allowed: 1, 2, 3 (N < M)")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"sparsity layout: got {self.layout!r}; allowed: {', '.join(LAYOUTS)}")
+            raise ValueError(f"layout: got {self.layout!r}; allowed: {', '.join(LAYOUTS)}")
 
     @classmethod
     def parse(cls, sparsity: str, layout: str = "row") -> "NMSpec":

@@ -1,0 +1,304 @@
+"""One config object per run: a tree of dataclasses built from YAML plus `key=value` overrides.
+
+Each section checks itself in `__post_init__`; `validate(cfg, ...)` runs the cross-section checks that need
+the data directory or the DeepSpeed config, all before any process group starts. An unknown key or a value
+of the wrong type fails with a message naming the key, the value and what is allowed (nanoGPT's
+configurator behaviour, torchtitan's dataclass layout).
+
+Presets: `model: {preset: 60m}` loads configs/model/60m.yaml, `method: {preset: chts24_1of4_row}` loads
+configs/method/chts24_1of4_row.yaml; keys given next to `preset` override the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distsparse.nm import NMSpec
+
+CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+BACKBONE_MODES = ("sparse", "dense", "ste", "srste", "cast")
+RULES = ("adam", "adamw", "muon", "tans", "adams")
+DTYPES = ("fp32", "bf16", "auto")
+BRANCH_KINDS = ("none", "add", "add_align", "prod_gate", "como")
+PERMUTATION_MODES = ("none", "identity", "random", "learned")
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}: got {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{key}: got {value!r}; allowed: a number {'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = "tiny"
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 1024
+    ffn_multiple_of: int = 8           # DESIGN decision 9: sparse runs round the FFN width up to this
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = False
+    vocab_size: int = 0                # 0: taken from the data's meta.json
+    activation_checkpointing: bool = False
+    meta_device_init: bool = False     # build on the meta device, materialize compressed values directly
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "max_position_embeddings", "ffn_multiple_of"):
+            _positive(f"model.{key}", getattr(self, key))
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"model.hidden_size: got {self.hidden_size}; allowed: a multiple of "
+                             f"model.num_attention_heads ({self.num_attention_heads})")
+
+    @property
+    def ffn_width(self) -> int:
+        m = self.ffn_multiple_of
+        return -(-self.intermediate_size // m) * m
+
+
+@dataclass(kw_only=True)
+class TopologyConfig:
+    enabled: bool = False
+    update_interval: int = 100
+    t_end_fraction: float = 0.75       # masks frozen after t_end_fraction * total steps
+    args: dict = field(default_factory=dict)   # RefreshParams fields (distsparse.topology)
+
+    def __post_init__(self) -> None:
+        _positive("method.topology.update_interval", self.update_interval)
+        if not 0 < self.t_end_fraction <= 1:
+            raise ValueError(f"method.topology.t_end_fraction: got {self.t_end_fraction}; allowed: (0, 1]")
+
+
+@dataclass(kw_only=True)
+class BranchConfig:
+    kind: str = "none"
+    budget_percent: float = 0.0        # of the whole dense model at reference vocab 32000; 0: use `rank`
+    rank: int = 0
+    hidden: int = 2
+    gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice("method.branch.kind", self.kind, BRANCH_KINDS)
+        _positive("method.branch.budget_percent", self.budget_percent, allow_zero=True)
+        if self.kind != "none" and self.budget_percent == 0 and self.rank <= 0:
+            raise ValueError(f"method.branch: kind {self.kind!r} needs budget_percent > 0 or rank > 0")
+
+
+@dataclass(kw_only=True)
+class MethodConfig:
+    preset: str = ""
+    name: str = "chts24"
+    sparsity: str = "1:4"              # none | 1:4 | 2:4 | 3:4
+    layout: str = "row"                # row | block
+    backbone: str = "sparse"           # sparse (compressed values) | dense | ste | srste | cast (dense latents)
+    init: str = "swi"                  # swi | hf
+    rule: str = "adam"                 # backbone update rule, run by the matrix engine
+    lr: float = 1e-3                   # backbone peak learning rate (the dense side uses train.lr)
+    rule_args: dict = field(default_factory=dict)   # HParams fields of the rule (distsparse.optim)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    branch: BranchConfig = field(default_factory=BranchConfig)
+
+    def __post_init__(self) -> None:
+        _choice("method.backbone", self.backbone, BACKBONE_MODES)
+        _choice("method.rule", self.rule, RULES)
+        _choice("method.init", self.init, ("swi", "hf"))
+        _positive("method.lr", self.lr)
+        if self.sparsity == "none":
+            if self.backbone != "dense":
+                raise ValueError(f"method.sparsity: got 'none' with method.backbone {self.backbone!r}; "
+                                 f"allowed: sparsity 'none' only with backbone 'dense'")
+            if self.topology.enabled:
+                raise ValueError("method.topology.enabled: got True with method.sparsity 'none'; "
+                                 "allowed: topology refreshes only on sparse backbones")
+        else:
+            self.spec  # parses and validates sparsity and layout
+            if self.backbone == "dense":
+                raise ValueError(f"method.backbone: got 'dense' with method.sparsity {self.sparsity!r}; "
+                                 f"allowed: 'dense' only with sparsity 'none'")
+
+    @property
+    def spec(self) -> NMSpec | None:
+        if self.sparsity == "none":
+            return None
+        try:
+            return NMSpec.parse(self.sparsity, self.layout)
+        except ValueError as err:
+            raise ValueError(f"method.{err}") from None
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dir: str = "data/stdlib"
+    seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    mode: str = "sharded"              # sharded (owners) | replicated (all-reduce, the oracle)
+    reduce_dtype: str = "fp32"         # fp32 | bf16
+
+    def __post_init__(self) -> None:
+        _choice("engine.mode", self.mode, ("sharded", "replicated"))
+        _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 100                   # optimizer steps
+    micro_batch: int = 8               # sequences per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-3                   # dense side (DeepSpeed AdamW) peak learning rate
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0             # joint norm over DeepSpeed and backbone gradients; 0 disables
+    dtype: str = "auto"                # auto: bf16 on GPU, fp32 on CPU
+    seed: int = 0
+    eval_interval: int = 50
+    eval_samples: int = 256            # validation sequences per evaluation (0: all)
+    log_interval: int = 10
+    out_dir: str = "runs/default"
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "micro_batch", "grad_accum", "log_interval", "eval_interval"):
+            _positive(f"train.{key}", getattr(self, key))
+        _positive("train.lr", self.lr)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio: got {self.min_lr_ratio}; allowed: [0, 1]")
+        _choice("train.dtype", self.dtype, DTYPES)
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ---- building from dicts -------------------------------------------------------------------------------
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader without YAML 1.1's base-60 integers, so `sparsity: 1:4` stays the string '1:4'."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp)
+
+
+def build_dataclass(cls: type, data: dict, prefix: str) -> Any:
+    """Instantiate `cls` from a nested dict; unknown keys and wrong types raise ValueError."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'}: got {data!r}; allowed: a mapping of keys to values")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ValueError(f"unknown config key {path!r}; allowed in {prefix or 'the top level'}: "
+                             f"{', '.join(sorted(names))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build_dataclass(tp, value, path)
+            continue
+        if tp is float and isinstance(value, str):
+            try:
+                value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string
+            except ValueError:
+                pass
+        if not _type_ok(value, tp):
+            raise ValueError(f"{path}: got {value!r} ({type(value).__name__}); allowed: a {tp.__name__}")
+        kwargs[key] = float(value) if tp is float else value
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def _expand_presets(raw: dict) -> dict:
+    out = dict(raw)
+    for section, folder in (("model", "model"), ("method", "method")):
+        sec = out.get(section)
+        if isinstance(sec, dict) and sec.get("preset"):
+            path = CONFIG_ROOT / folder / f"{sec['preset']}.yaml"
+            if not path.exists():
+                names = sorted(p.stem for p in (CONFIG_ROOT / folder).glob("*.yaml"))
+                raise ValueError(f"{section}.preset: got {sec['preset']!r}; allowed: {', '.join(names)}")
+            base = read_yaml(path.read_text()) or {}
+            out[section] = _deep_merge(base, sec)
+    return out
+
+
+def parse_override(item: str) -> dict:
+    """`train.steps=100` -> {"train": {"steps": 100}}; the value is read as YAML (numbers, bools, lists)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+    key, text = item.split("=", 1)
+    value = read_yaml(text) if text else ""
+    for part in reversed(key.strip().split(".")):
+        value = {part: value}
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (optional) + `key=value` overrides -> validated Config."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"--config: got {str(p)!r}; the file does not exist")
+        raw = read_yaml(p.read_text()) or {}
+    for item in overrides:
+        raw = _deep_merge(raw, parse_override(item))
+    return build_dataclass(Config, _expand_presets(raw), "")
+
+
+def config_to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)

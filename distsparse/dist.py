@@ -1,0 +1,51 @@
+"""Scalar agreement between ranks: the few named collectives used outside the matrix engine.
+
+Every helper is a no-op with one process, so single-process code paths are the same code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def dist_sum(value: torch.Tensor | float, group=None) -> torch.Tensor:
+    """Sum of a scalar or tensor over ranks (a new float64 tensor for Python scalars)."""
+    t = value.clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+    if is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def dist_max(value: float, group=None) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    if is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank when `flag` is true on at least one (e.g. a preemption signal seen by one rank)."""
+    return dist_max(1.0 if flag else 0.0, group) > 0
+
+
+def barrier(group=None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def new_group():
+    """A dedicated process group (the matrix engine's traffic stays out of DeepSpeed's)."""
+    return dist.new_group(backend=dist.get_backend()) if is_initialized() else None

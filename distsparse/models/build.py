@@ -1,0 +1,125 @@
+"""Named LLaMA sizes as HF `LlamaForCausalLM` (sdpa attention) with their 7 projections swapped by name.
+
+Backbone = the projections q, k, v, o, gate, up, down of every decoder layer. With a sparse method each
+becomes an `NMSparseLinear` (compressed values + codes) initialized from a seed derived from (seed, name), so
+every rank builds the same topology without communication. Large sizes build on the meta device and
+materialize the compressed values directly: no dense fp32 projection ever exists (DESIGN decision 16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+from distsparse.config import MethodConfig, ModelConfig
+from distsparse.layers import NMSparseLinear
+from distsparse.utils import stable_seed
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+REFERENCE_VOCAB = 32000   # branch budgets and reported dense counts use the paper's vocabulary
+
+
+def llama_config(model_cfg: ModelConfig, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_width,
+        num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_attention_heads,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rms_norm_eps=model_cfg.rms_norm_eps,
+        initializer_range=model_cfg.initializer_range,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """Sorted fully qualified names of the backbone projections (every rank gets the same list)."""
+    return sorted(name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def sparsify(model: LlamaForCausalLM, method: MethodConfig, seed: int) -> None:
+    """Swap every projection for the method's backbone layer (in place). Dense methods keep nn.Linear."""
+    spec = method.spec
+    if method.backbone != "sparse":
+        if method.backbone != "dense":
+            raise NotImplementedError(f"method.backbone {method.backbone!r} lands with the baselines issue")
+        return
+    for name in projection_names(model):
+        old = model.get_submodule(name)
+        device = old.weight.device
+        layer = NMSparseLinear(old.in_features, old.out_features, spec, bias=old.bias is not None,
+                               device=device, dtype=torch.float32, init=method.init,
+                               init_std=model.config.initializer_range, seed=stable_seed(seed, name))
+        _set_submodule(model, name, layer)
+
+
+@torch.no_grad()
+def _materialize(model: LlamaForCausalLM, seed: int) -> None:
+    """Allocate a meta-built model on CPU and initialize every tensor (HF's scheme for the dense parts)."""
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, module in model.named_modules():
+        if isinstance(module, NMSparseLinear):
+            module.reset_parameters()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std, generator=gen)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+        elif isinstance(module, LlamaRMSNorm):
+            module.weight.fill_(1.0)
+    # RoPE frequencies are non-persistent buffers: to_empty leaves them uninitialized.
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+
+
+def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
+    """The run's model in fp32 on CPU; the caller moves it and DeepSpeed casts it."""
+    if method.spec is not None:
+        ffn = model_cfg.ffn_width
+        method.spec.check_shape(ffn, model_cfg.hidden_size, name="model.hidden_size")
+        method.spec.check_shape(model_cfg.hidden_size, ffn, name="model.intermediate_size (rounded)")
+    config = llama_config(model_cfg, vocab_size)
+    torch.manual_seed(seed)   # identical dense init on every rank (DeepSpeed broadcasts it anyway)
+    if model_cfg.meta_device_init:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+            sparsify(model, method, seed)
+        _materialize(model, seed)
+    else:
+        model = LlamaForCausalLM(config)
+        sparsify(model, method, seed)
+    if model_cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Active backbone weights, dense-side parameters (embeddings, norms, head, branches) and totals."""
+    backbone = dense_equiv = 0
+    for name in projection_names(model):
+        mod = model.get_submodule(name)
+        if isinstance(mod, NMSparseLinear):
+            backbone += mod.values.numel()
+            dense_equiv += mod.in_features * mod.out_features
+        else:
+            backbone += mod.weight.numel()
+            dense_equiv += mod.weight.numel()
+    backbone_ids = {id(p) for n in projection_names(model) for p in model.get_submodule(n).parameters()}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in backbone_ids)
+    return {"backbone_active": backbone, "backbone_dense_equivalent": dense_equiv, "dense_side": other,
+            "total": backbone + other, "total_dense_equivalent": dense_equiv + other}

@@ -1,0 +1,78 @@
+"""The DeepSpeed JSON of a run: the file the user gives, with the keys the project config owns filled in.
+
+The project config owns batch sizes, clipping, precision and the dense-side AdamW hyperparameters, so a run is
+described by one config; a DeepSpeed file that sets one of those keys to a different value is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from distsparse.config import Config
+
+SUPPORTED_STAGES = (1, 2)
+
+
+def resolve_dtype(cfg: Config) -> str:
+    if cfg.train.dtype != "auto":
+        return cfg.train.dtype
+    return "bf16" if torch.cuda.is_available() else "fp32"
+
+
+def _set(ds: dict, path: str, value, source: dict) -> None:
+    """Set ds[path] = value, refusing a conflicting value written in the user's file."""
+    keys = path.split(".")
+    node, src = ds, source
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        src = src.get(key, {}) if isinstance(src, dict) else {}
+    given = src.get(keys[-1]) if isinstance(src, dict) else None
+    if given is not None and given != value and given != "auto":
+        raise ValueError(f"--ds_config {path}: got {given!r} but the run config gives {value!r}; the project "
+                         f"config owns this key (set it there, or remove it from the DeepSpeed file)")
+    node[keys[-1]] = value
+
+
+def build_ds_config(path: str | Path, cfg: Config) -> dict:
+    """Read, check and complete the DeepSpeed config. Raises ValueError before any process group starts."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--ds_config: got {str(p)!r}; the file does not exist")
+    try:
+        source = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--ds_config: {p} is not valid JSON: {err}") from None
+    ds = json.loads(json.dumps(source))
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage not in SUPPORTED_STAGES:
+        raise ValueError(
+            f"--ds_config zero_optimization.stage: got {stage}; allowed: 1, 2. ZeRO-3 (and 0) are not supported: "
+            f"ZeRO-3 converts and partitions the backbone values excluded from DeepSpeed's optimizer, which the "
+            f"project's matrix engine owns (DESIGN decision 1)")
+    dtype = resolve_dtype(cfg)
+    if dtype == "bf16" and stage == 1:
+        raise ValueError("--ds_config zero_optimization.stage: got 1 with train.dtype bf16; allowed: 2. bf16 with "
+                         "ZeRO-1 selects DeepSpeed's BF16_Optimizer, whose clipping internals the joint gradient "
+                         "clip does not drive; use configs/ds/zero2.json or train.dtype=fp32")
+    if "fp16" in ds and ds["fp16"].get("enabled"):
+        raise ValueError("--ds_config fp16.enabled: got true; allowed: false (use train.dtype=bf16)")
+    _set(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch, source)
+    _set(ds, "gradient_accumulation_steps", cfg.train.grad_accum, source)
+    _set(ds, "gradient_clipping", cfg.train.grad_clip, source)
+    _set(ds, "bf16.enabled", dtype == "bf16", source)
+    ds.pop("train_batch_size", None)
+    opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if opt.get("type", "AdamW").lower() not in ("adamw", "adam"):
+        raise ValueError(f"--ds_config optimizer.type: got {opt.get('type')!r}; allowed: AdamW, Adam "
+                         f"(the backbone has its own rules; never DeepSpeed's Muon, DESIGN decision 1)")
+    params = opt.setdefault("params", {})
+    for key, value in (("lr", cfg.train.lr), ("betas", [cfg.train.beta1, cfg.train.beta2]),
+                       ("weight_decay", cfg.train.weight_decay)):
+        _set(ds, f"optimizer.params.{key}", value, source)
+    if not torch.cuda.is_available():
+        params.setdefault("torch_adam", True)   # no JIT C++ build on CPU
+    ds.setdefault("steps_per_print", 10**9)      # the trainer prints its own line
+    return ds

@@ -1,0 +1,198 @@
+"""The training loop (DESIGN s2): DeepSpeed owns the dense side, the matrix engine owns the backbone.
+
+One optimizer step:
+    micro-steps: forward -> engine.backward (backbone grads -> fp32 buffer via hooks)
+    boundary:    reduce-scatter backbone grads; joint clip over both sides; DeepSpeed step;
+                 backbone step (skipped with a skipped DeepSpeed step or non-finite grads), topology refresh,
+                 all-gather of codes and values
+    then:        log, evaluate, stop
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distsparse import dist as ddist
+from distsparse.config import Config, config_to_dict
+from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
+from distsparse.eval.perplexity import loss_sums, perplexity
+from distsparse.models import build_model, parameter_counts, projection_names
+from distsparse.optim.engine import MatrixEngine
+from distsparse.optim.rules import get_rule
+from distsparse.train.ds_config import resolve_dtype
+from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
+from distsparse.train.schedule import lr_factor
+
+log = logging.getLogger("distsparse")
+
+
+@dataclass
+class TrainResult:
+    step: int
+    train_loss: float
+    val_loss: float
+    val_ppl: float
+
+
+def backbone_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: model.get_submodule(name) for name in projection_names(model)}
+
+
+def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.Module]) -> list[dict]:
+    """Parameter groups handed to DeepSpeed: everything but the backbone matrices (DESIGN decision 1)."""
+    excluded = {id(m.values if hasattr(m, "values") else m.weight) for m in backbone.values()}
+    params = [p for p in model.parameters() if id(p) not in excluded and p.requires_grad]
+    return [{"params": params}]
+
+
+def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group) -> MatrixEngine:
+    rule = get_rule(cfg.method.rule)
+    try:
+        hparams = rule.hparams(lr=cfg.method.lr, **cfg.method.rule_args)
+    except TypeError as err:
+        raise ValueError(f"method.rule_args: {err}; allowed keys for rule {cfg.method.rule!r}: "
+                         f"{', '.join(f for f in rule.hparams.__dataclass_fields__ if f != 'lr')}") from None
+    initial = {name: (m.values if hasattr(m, "values") else m.weight).detach().float().clone()
+               for name, m in backbone.items()}
+    return MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
+                        reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ds_config: dict):
+        import deepspeed
+
+        self.cfg = cfg
+        self.rank, self.world_size = ddist.rank(), ddist.world_size()
+        self.meta = load_meta(cfg.data.dir)
+        vocab = cfg.model.vocab_size or self.meta["vocab_size"]
+        self.model = build_model(cfg.model, cfg.method, vocab, cfg.train.seed)
+        self.backbone = backbone_modules(self.model)
+        # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6).
+        self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group())
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=self.model, model_parameters=dense_side_parameters(self.model, self.backbone),
+            config=ds_config, lr_scheduler=self._dense_scheduler)
+        self.device = self.engine.device
+        self.dtype = resolve_dtype(cfg)
+        self.train_data = TokenDataset(cfg.data.dir, "train", cfg.data.seq_len)
+        self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
+        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
+                                          self.world_size, self.rank, cfg.train.seed)
+        self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
+        self.step = 0
+
+    def _dense_scheduler(self, optimizer):
+        t = self.cfg.train
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+            s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio))
+
+    def lr_scale(self) -> float:
+        t = self.cfg.train
+        return lr_factor(self.step, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio)
+
+    # ---- one optimizer step ------------------------------------------------------------------------------
+
+    def _clip(self) -> tuple[float, float]:
+        """Joint clip over DeepSpeed and the backbone (DESIGN decision 4): returns (total norm, coefficient)
+        and sets DeepSpeed's clip threshold so that it applies the same coefficient."""
+        ds_norm = float(self.engine.optimizer.scaled_global_norm())
+        total = math.sqrt(ds_norm ** 2 + float(self.matrix.grad_sq_norm()))
+        max_norm = self.cfg.train.grad_clip
+        if max_norm <= 0 or total <= max_norm:
+            return total, 1.0
+        self.engine.optimizer.clip_grad = max_norm * ds_norm / total
+        return total, max_norm / (total + 1e-6)
+
+    def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        losses = []
+        grad_norm, coef = 0.0, 1.0
+        for i, batch in enumerate(batches):
+            out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+            self.engine.backward(out.loss)
+            losses.append(out.loss.detach().float())
+            if i == len(batches) - 1:
+                self.matrix.reduce_gradients()
+                grad_norm, coef = self._clip()
+            saved_clip = self.engine.optimizer.clip_grad
+            self.engine.step()
+            self.engine.optimizer.clip_grad = saved_clip   # it is serialized with checkpoints
+        applied = self.engine.was_step_applied()
+        finite = self.matrix.grads_finite()
+        metrics = {"optim/grad_norm": grad_norm, "optim/clip_coef": coef,
+                   "lr/dense": self.cfg.train.lr * self.lr_scale(),
+                   "lr/backbone": self.cfg.method.lr * self.lr_scale()}
+        if applied and finite:
+            self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef)
+        else:
+            log.warning("step %d: backbone step skipped (DeepSpeed step applied: %s, backbone grads finite: %s)",
+                        self.step, applied, finite)
+            metrics["optim/skipped_steps"] = 1.0
+        self.matrix.zero_grad()
+        loss = ddist.dist_sum(torch.stack(losses).mean().double()) / self.world_size
+        metrics["loss/train"] = float(loss)
+        return metrics
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+
+    def evaluate(self) -> tuple[float, float]:
+        self.engine.eval()
+        limit = self.cfg.train.eval_samples or None
+        index_batches = validation_batches(len(self.val_data), self.cfg.train.micro_batch, self.world_size,
+                                           self.rank, limit)
+        total, count = loss_sums(self.engine, (collate(self.val_data, idx) for idx in index_batches), self.device)
+        self.engine.train()
+        total_all = float(ddist.dist_sum(total))
+        count_all = int(ddist.dist_sum(float(count)))
+        return perplexity(total_all, count_all)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        out_dir = Path(cfg.train.out_dir)
+        if self.rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+            log.info("parameters: %s", parameter_counts(self.model))
+        tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * self.world_size * cfg.data.seq_len
+        micro_batches = iter(self.sampler)
+        start = time.perf_counter()
+        last_log, metrics, val_loss, val_ppl = start, {}, float("nan"), float("nan")
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            batches = [collate(self.train_data, next(micro_batches)) for _ in range(cfg.train.grad_accum)]
+            metrics = self.train_step(batches)
+            self.step += 1
+            step_time = time.perf_counter() - t0
+            metrics.update({"time/step_s": step_time, "time/tokens_per_s": tokens_per_step / step_time,
+                            "memory/peak_gb": peak_memory_gb()})
+            if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
+                val_loss, val_ppl = self.evaluate()
+                metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl})
+            if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or "loss/val" in metrics:
+                self.writer.log(metrics, self.step)
+                if self.rank == 0:
+                    elapsed = time.perf_counter() - start
+                    eta = elapsed / self.step * (cfg.train.steps - self.step)
+                    line = (f"step {self.step}/{cfg.train.steps} | loss {metrics['loss/train']:.4f} | "
+                            f"grad_norm {metrics['optim/grad_norm']:.3f} | lr {metrics['lr/dense']:.2e} | "
+                            f"tok/s {metrics['time/tokens_per_s']:.0f} | eta {eta:.0f}s")
+                    if "loss/val" in metrics:
+                        line += f" | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
+                    log.info(line)
+        final = {"final/val_loss": val_loss, "final/val_ppl": val_ppl, "final/train_loss": metrics["loss/train"]}
+        self.writer.hparams(config_to_dict(cfg), final)
+        if self.rank == 0:
+            (out_dir / "result.json").write_text(json.dumps({"step": self.step, **final}, indent=2))
+        return TrainResult(self.step, metrics["loss/train"], val_loss, val_ppl)
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,103 @@
+"""The matrix engine: owner maps, sharded == replicated, joint-norm pieces, state moves on refresh."""
+
+import torch
+
+from distsparse.config import load_config
+from distsparse.models import build_model, projection_names
+from distsparse.nm import NMMeta, decode, encode, kept_index, random_mask, scatter_kept, slot_map
+from distsparse.optim.engine import MatrixEngine, RefreshOutcome
+from distsparse.optim.owners import assign_owners, rank_loads
+from distsparse.optim.rules import get_rule
+
+
+def _tiny(method: str, layers: int = 2):
+    cfg = load_config(None, ["model.preset=tiny", f"method.preset={method}", f"model.num_hidden_layers={layers}"])
+    model = build_model(cfg.model, cfg.method, 97, seed=3)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    backbone = {n: model.get_submodule(n) for n in projection_names(model)}
+    for m in backbone.values():
+        (m.values if hasattr(m, "values") else m.weight).requires_grad_(True)
+    return cfg, model, backbone
+
+
+def _train(rank, world_size, method, mode, steps, layers=2):
+    torch.manual_seed(0)
+    cfg, model, backbone = _tiny(method, layers)
+    hp = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr)
+    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randint(0, 97, (2, 12), generator=gen)
+        model(input_ids=x, labels=x).loss.backward()
+        assert all((m.values if hasattr(m, "values") else m.weight).grad is None for m in backbone.values())
+        engine.reduce_gradients()
+        engine.step(cfg.method.lr)
+        engine.zero_grad()
+    values = {n: (m.values if hasattr(m, "values") else m.weight).detach().clone() for n, m in backbone.items()}
+    return values, engine.owners, engine.state_bytes()
+
+
+def _run_modes(rank, world_size, method):
+    return _train(rank, world_size, method, "sharded", 20, 1), _train(rank, world_size, method, "replicated", 20, 1)
+
+
+def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
+    for method in ("chtsnm_nobranch_1of4_row",):
+        (s0, r0), (s1, r1) = ranks2.run(_run_modes, method)
+        assert s0[1] == s1[1], "owner maps differ between ranks"
+        assert set(s0[1].values()) == {0, 1}
+        for name in s0[0]:
+            assert torch.equal(s0[0][name], s1[0][name]), f"{name}: ranks disagree"
+            torch.testing.assert_close(s0[0][name], r0[0][name], rtol=0, atol=1e-6)
+        assert s0[2] < r0[2], "sharded state must be smaller than replicated"
+
+
+def test_one_rank_trains_without_collectives():
+    values, owners, _ = _train(0, 1, "chtsnm_nobranch_2of4_block", "sharded", 3)
+    assert set(owners.values()) == {0}
+    assert all(torch.isfinite(v).all() for v in values.values())
+
+
+def test_lpt_owner_map_is_deterministic_and_balanced():
+    costs = {f"m{i}": float(c) for i, c in enumerate([9, 7, 7, 5, 5, 5, 3, 3, 1, 1])}
+    owners = assign_owners(costs, 3)
+    assert owners == assign_owners(dict(reversed(list(costs.items()))), 3)
+    loads = rank_loads(costs, owners, 3)
+    assert max(loads) - min(loads) <= max(costs.values())
+    assert set(assign_owners(costs, 16).values()) == set(range(10)), "more ranks than matrices: idle owners"
+
+
+def test_refresh_moves_master_and_state_with_links():
+    cfg, model, backbone = _tiny("chtsnm_nobranch_2of4_row", layers=1)
+    hp = get_rule("tans").hparams(lr=1e-3)
+    engine = MatrixEngine(backbone, rule="tans", hparams=hp)
+    x = torch.randint(0, 97, (2, 12))
+    for _ in range(3):
+        model(input_ids=x, labels=x).loss.backward()
+        engine.step(1e-3)
+        engine.zero_grad()
+    name = sorted(backbone)[0]
+    layer = backbone[name]
+    old = NMMeta(layer.codes.clone(), layer.spec, (layer.out_features, layer.in_features))
+    new = encode(random_mask(*old.shape, old.spec, torch.Generator().manual_seed(5)), old.spec)
+    slots = slot_map(old, new)
+    moved = torch.where(slots >= 0, engine.masters[name].reshape(-1)[slots.clamp(min=0)], torch.zeros(()))
+    before = {k: engine.states[name][k].clone() for k in ("V", "P")}
+    before_master = engine.masters[name].clone()
+
+    def refresh(n, master, meta):
+        if n != name:
+            return RefreshOutcome(meta, slot_map(meta, meta), master.clone(), {})
+        return RefreshOutcome(new, slots, moved.view_as(master), {})
+
+    engine._refresh(refresh)
+    assert torch.equal(layer.codes, new.codes)
+    both = decode(old) & decode(new)
+    for key, dense_before in (("V", before["V"]), ("P", before["P"]), ("master", before_master)):
+        after = engine.masters[name] if key == "master" else engine.states[name][key]
+        d_old = scatter_kept(dense_before, kept_index(old), old.shape)
+        d_new = scatter_kept(after, kept_index(new), new.shape)
+        assert torch.equal(d_old[both], d_new[both]), key
+        assert (d_new[decode(new) & ~decode(old)] == 0).all(), key
+    assert int(engine.states[name]["tau"]) == 0
