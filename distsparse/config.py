@@ -109,6 +109,7 @@ class MethodConfig:
     rule: str = "adam"                 # backbone update rule, run by the matrix engine
     lr: float = 1e-3                   # backbone peak learning rate (the dense side uses train.lr)
     rule_args: dict = field(default_factory=dict)   # HParams fields of the rule (distsparse.optim)
+    latent_args: dict = field(default_factory=dict)  # DenseLatentLinear options (ste/srste/cast baselines)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     branch: BranchConfig = field(default_factory=BranchConfig)
 

@@ -15,6 +15,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from distsparse.config import MethodConfig, ModelConfig
 from distsparse.layers import NMSparseLinear
+from distsparse.layers.branches import build_branch, rank_for_budget
+from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.projection import SparseProjection, backbone_core
 from distsparse.utils import stable_seed
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -46,25 +49,56 @@ def projection_names(model: nn.Module) -> list[str]:
     return sorted(name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in PROJECTIONS)
 
 
+def backbone_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Projection name -> the engine-owned core module."""
+    return {name: backbone_core(model.get_submodule(name)) for name in projection_names(model)}
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent), child, module)
 
 
-def sparsify(model: LlamaForCausalLM, method: MethodConfig, seed: int) -> None:
-    """Swap every projection for the method's backbone layer (in place). Dense methods keep nn.Linear."""
-    spec = method.spec
-    if method.backbone != "sparse":
-        if method.backbone != "dense":
-            raise NotImplementedError(f"method.backbone {method.backbone!r} lands with the baselines issue")
-        return
+def _core(old: nn.Linear, method: MethodConfig, name: str, seed: int, init_std: float) -> nn.Module:
+    kwargs = dict(bias=old.bias is not None, device=old.weight.device, dtype=torch.float32, init=method.init,
+                  init_std=init_std, seed=stable_seed(seed, name))
+    if method.backbone == "sparse":
+        return NMSparseLinear(old.in_features, old.out_features, method.spec, **kwargs)
+    if method.backbone == "dense":
+        return old
+    try:
+        return DenseLatentLinear(old.in_features, old.out_features, method.spec, method.backbone,
+                                 **method.latent_args, **kwargs)
+    except TypeError as err:
+        raise ValueError(f"method.latent_args: {err}") from None
+
+
+def branch_rank(model_cfg: ModelConfig, method: MethodConfig) -> int:
+    """The branch rank: explicit, or the largest within `budget_percent` of the whole dense model's parameter
+    count at the reference vocab 32000 (DESIGN s5: 60m at 1% gives r = 7)."""
+    b = method.branch
+    if b.budget_percent == 0:
+        return b.rank
+    d, ff, layers = model_cfg.hidden_size, model_cfg.ffn_width, model_cfg.num_hidden_layers
+    dense = 2 * REFERENCE_VOCAB * d + layers * (4 * d * d + 3 * d * ff + 2 * d) + d
+    shapes = [(d, d)] * 4 * layers + [(d, ff)] * 2 * layers + [(ff, d)] * layers
+    return rank_for_budget(b.kind, b.budget_percent, dense, shapes, b.hidden)
+
+
+def sparsify(model: LlamaForCausalLM, method: MethodConfig, seed: int, rank: int = 0) -> None:
+    """Swap every projection for the method's backbone layer, with its branch when the method has one."""
+    init_std = model.config.initializer_range
     for name in projection_names(model):
         old = model.get_submodule(name)
-        device = old.weight.device
-        layer = NMSparseLinear(old.in_features, old.out_features, spec, bias=old.bias is not None,
-                               device=device, dtype=torch.float32, init=method.init,
-                               init_std=model.config.initializer_range, seed=stable_seed(seed, name))
-        _set_submodule(model, name, layer)
+        core = _core(old, method, name, seed, init_std)
+        if method.branch.kind != "none":
+            torch.manual_seed(stable_seed(seed, name, "branch"))
+            branch = build_branch(method.branch.kind, old.in_features, old.out_features, rank=rank,
+                                  hidden=method.branch.hidden, gamma=method.branch.gamma,
+                                  device=old.weight.device)
+            core = SparseProjection(core, branch)
+        if core is not old:
+            _set_submodule(model, name, core)
 
 
 @torch.no_grad()
@@ -74,7 +108,7 @@ def _materialize(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     std = model.config.initializer_range
     for name, module in model.named_modules():
-        if isinstance(module, NMSparseLinear):
+        if isinstance(module, (NMSparseLinear, DenseLatentLinear)):
             module.reset_parameters()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std, generator=gen)
@@ -97,11 +131,11 @@ def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, s
     if model_cfg.meta_device_init:
         with torch.device("meta"):
             model = LlamaForCausalLM(config)
-            sparsify(model, method, seed)
+            sparsify(model, method, seed, branch_rank(model_cfg, method))
         _materialize(model, seed)
     else:
         model = LlamaForCausalLM(config)
-        sparsify(model, method, seed)
+        sparsify(model, method, seed, branch_rank(model_cfg, method))
     if model_cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -110,16 +144,24 @@ def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, s
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
     """Active backbone weights, dense-side parameters (embeddings, norms, head, branches) and totals."""
-    backbone = dense_equiv = 0
+    backbone = dense_equiv = branch = 0
     for name in projection_names(model):
-        mod = model.get_submodule(name)
+        outer = model.get_submodule(name)
+        if isinstance(outer, SparseProjection) and outer.branch is not None:
+            branch += sum(p.numel() for p in outer.branch.parameters())
+        mod = backbone_core(outer)
         if isinstance(mod, NMSparseLinear):
             backbone += mod.values.numel()
             dense_equiv += mod.in_features * mod.out_features
         else:
             backbone += mod.weight.numel()
             dense_equiv += mod.weight.numel()
-    backbone_ids = {id(p) for n in projection_names(model) for p in model.get_submodule(n).parameters()}
+    backbone_ids = {id(backbone_param(backbone_core(model.get_submodule(n)))) for n in projection_names(model)}
     other = sum(p.numel() for p in model.parameters() if id(p) not in backbone_ids)
-    return {"backbone_active": backbone, "backbone_dense_equivalent": dense_equiv, "dense_side": other,
-            "total": backbone + other, "total_dense_equivalent": dense_equiv + other}
+    return {"backbone_active": backbone, "backbone_dense_equivalent": dense_equiv, "branch": branch,
+            "dense_side": other, "total": backbone + other, "total_dense_equivalent": dense_equiv + other}
+
+
+def backbone_param(core: nn.Module) -> nn.Parameter:
+    """The engine-owned tensor of a core: compressed values, or a dense (latent) weight."""
+    return core.values if isinstance(core, NMSparseLinear) else core.weight

@@ -19,6 +19,7 @@ collective is skipped.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -187,9 +188,12 @@ class MatrixEngine:
             grad = self._grad_view(m).view(m.param.shape)
             if clip_coef != 1.0:
                 grad = grad * clip_coef
+            extra = {"mask": m.module.pruned_mask()} if self.rule_name == "adams" else {}
             self.rule.step(self.masters[m.name], grad, self.states[m.name], lr=lr, hp=self.hp,
-                           index=m.index, shape=m.shape)
+                           index=m.index, shape=m.shape, **extra)
+        t0 = time.perf_counter()
         stats = self._refresh(refresh) if refresh is not None else {}
+        self.last_refresh_seconds = time.perf_counter() - t0
         self._distribute_values()
         return stats
 

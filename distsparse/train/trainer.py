@@ -23,12 +23,15 @@ from distsparse import dist as ddist
 from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.perplexity import loss_sums, perplexity
-from distsparse.models import build_model, parameter_counts, projection_names
+from distsparse.layers.branches import mean_aux_loss
+from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
 from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.schedule import lr_factor
+from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
 
 log = logging.getLogger("distsparse")
 
@@ -41,13 +44,9 @@ class TrainResult:
     val_ppl: float
 
 
-def backbone_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    return {name: model.get_submodule(name) for name in projection_names(model)}
-
-
 def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.Module]) -> list[dict]:
     """Parameter groups handed to DeepSpeed: everything but the backbone matrices (DESIGN decision 1)."""
-    excluded = {id(m.values if hasattr(m, "values") else m.weight) for m in backbone.values()}
+    excluded = {id(backbone_param(m)) for m in backbone.values()}
     params = [p for p in model.parameters() if id(p) not in excluded and p.requires_grad]
     return [{"params": params}]
 
@@ -59,8 +58,7 @@ def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group
     except TypeError as err:
         raise ValueError(f"method.rule_args: {err}; allowed keys for rule {cfg.method.rule!r}: "
                          f"{', '.join(f for f in rule.hparams.__dataclass_fields__ if f != 'lr')}") from None
-    initial = {name: (m.values if hasattr(m, "values") else m.weight).detach().float().clone()
-               for name, m in backbone.items()}
+    initial = {name: backbone_param(m).detach().float().clone() for name, m in backbone.items()}
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
                         reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial)
 
@@ -75,6 +73,10 @@ class Trainer:
         vocab = cfg.model.vocab_size or self.meta["vocab_size"]
         self.model = build_model(cfg.model, cfg.method, vocab, cfg.train.seed)
         self.backbone = backbone_modules(self.model)
+        for module in self.backbone.values():
+            if isinstance(module, DenseLatentLinear):
+                # SR-STE adds lambda_w * W in every backward, unscaled by DeepSpeed's 1/grad_accum.
+                module.lambda_w /= cfg.train.grad_accum
         # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6).
         self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group())
         self.engine, _, _, _ = deepspeed.initialize(
@@ -86,6 +88,7 @@ class Trainer:
         self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
                                           self.world_size, self.rank, cfg.train.seed)
+        self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
         self.step = 0
 
@@ -112,11 +115,15 @@ class Trainer:
         return total, max_norm / (total + 1e-6)
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        for module in self.backbone.values():
+            if isinstance(module, DenseLatentLinear) and module.mode == "cast":
+                module.maybe_update_mask(self.step)   # CAST recomputes its mask every few steps
         losses = []
         grad_norm, coef = 0.0, 1.0
         for i, batch in enumerate(batches):
             out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
-            self.engine.backward(out.loss)
+            aux = mean_aux_loss(self.model)   # Add+Align's alignment term, None for other branches
+            self.engine.backward(out.loss if aux is None else out.loss + aux)
             losses.append(out.loss.detach().float())
             if i == len(batches) - 1:
                 self.matrix.reduce_gradients()
@@ -130,7 +137,11 @@ class Trainer:
                    "lr/dense": self.cfg.train.lr * self.lr_scale(),
                    "lr/backbone": self.cfg.method.lr * self.lr_scale()}
         if applied and finite:
-            self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef)
+            taken = self.step + 1
+            refresh = self.topology.refresh_fn(taken) if self.topology.due(taken) else None
+            stats = self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef, refresh)
+            if refresh is not None:
+                metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
         else:
             log.warning("step %d: backbone step skipped (DeepSpeed step applied: %s, backbone grads finite: %s)",
                         self.step, applied, finite)

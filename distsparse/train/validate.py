@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from distsparse.config import Config
@@ -9,12 +10,11 @@ from distsparse.config import Config
 
 def validate(cfg: Config) -> dict:
     """Raise ValueError naming key, value and what is allowed; return the data's meta.json."""
-    from distsparse.data import load_meta
-
-    if not (Path(cfg.data.dir) / "meta.json").exists():
+    meta_path = Path(cfg.data.dir) / "meta.json"
+    if not meta_path.exists():
         raise ValueError(f"data.dir: got {cfg.data.dir!r}; no meta.json there. Prepare data first: "
                          f"python -m data_prep.prepare --source stdlib-docs --out {cfg.data.dir}")
-    meta = load_meta(cfg.data.dir)
+    meta = json.loads(meta_path.read_text())
     if cfg.model.vocab_size and meta["vocab_size"] > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got {cfg.model.vocab_size}; the data in {cfg.data.dir} has vocab "
                          f"{meta['vocab_size']}; allowed: >= {meta['vocab_size']} (or 0 to take it from the data)")

@@ -1,0 +1,70 @@
+"""When and how the run refreshes its masks: maps the method's topology config onto the pure refresh of
+distsparse.topology and aggregates refresh statistics per layer type for TensorBoard (DESIGN s5, decision 5)."""
+
+from __future__ import annotations
+
+import torch
+
+from distsparse import dist as ddist
+from distsparse.config import TopologyConfig
+from distsparse.models import PROJECTIONS
+from distsparse.nm import NMMeta
+from distsparse.optim.engine import RefreshFn, RefreshOutcome
+from distsparse.topology import RefreshParams, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for
+
+STAT_KEYS = ("groups_selected", "groups_changed", "mpr_exclusions", "links_changed")
+
+
+def build_refresh_params(cfg: TopologyConfig) -> RefreshParams:
+    try:
+        return RefreshParams(**cfg.args)
+    except TypeError as err:
+        raise ValueError(f"method.topology.args: {err}; allowed keys: "
+                         f"{', '.join(RefreshParams.__dataclass_fields__)}") from None
+    except ValueError as err:
+        raise ValueError(f"method.topology.args.{err}") from None
+
+
+class TopologyPolicy:
+    def __init__(self, cfg: TopologyConfig, total_steps: int, seed: int):
+        self.cfg, self.seed = cfg, seed
+        self.params = build_refresh_params(cfg)
+        self.t_end = t_end_for(total_steps, cfg.t_end_fraction)
+
+    def due(self, step: int) -> bool:
+        """`step` = optimizer steps completed, counting the one being taken."""
+        return self.cfg.enabled and is_refresh_step(step, self.cfg.update_interval, self.t_end)
+
+    def refresh_fn(self, step: int) -> RefreshFn:
+        def refresh(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshOutcome:
+            # Seeded by (seed, step, name): the same masks whichever rank owns the matrix.
+            result = refresh_matrix(master, meta, step=step, t_end=self.t_end, params=self.params,
+                                    generator=refresh_generator(self.seed, step, name))
+            check_legal(result.meta, name)
+            return RefreshOutcome(result.meta, result.slots, result.new_values, result.stats)
+        return refresh
+
+
+def refresh_metrics(stats: dict[str, dict], seconds: float) -> dict[str, float]:
+    """Per layer type sums over every rank's owned matrices; one all-reduce of a fixed-order vector."""
+    vec = torch.zeros(len(PROJECTIONS), len(STAT_KEYS) + 2, dtype=torch.float64)
+    for name, s in stats.items():
+        row = PROJECTIONS.index(name.rsplit(".", 1)[-1])
+        for j, key in enumerate(STAT_KEYS):
+            vec[row, j] += s.get(key, 0.0)
+        vec[row, -2], vec[row, -1] = s["zeta"], s["temperature"]   # same on every matrix of a step
+    present = (vec[:, 0] > 0).double()
+    vec = ddist.dist_sum(vec)
+    present = ddist.dist_sum(present).clamp(min=1)
+    out = {"topology/refresh_s": ddist.dist_max(seconds)}
+    for i, proj in enumerate(PROJECTIONS):
+        if vec[i, 0] == 0:
+            continue
+        sel = vec[i, 0]
+        out[f"topology/{proj}/groups_selected"] = float(sel)
+        out[f"topology/{proj}/effective_refresh_rate"] = float(vec[i, 1] / sel)
+        out[f"topology/{proj}/mpr_exclusions"] = float(vec[i, 2])
+        out[f"topology/{proj}/links_changed"] = float(vec[i, 3])
+        out["topology/zeta"] = float(vec[i, -2] / present[i])
+        out["topology/temperature"] = float(vec[i, -1] / present[i])
+    return out
