@@ -58,7 +58,9 @@ class NMLinearFunction(torch.autograd.Function):
 class NMSparseLinear(nn.Module):
     """Drop-in for `nn.Linear` with an N:M sparse weight held as `values` [O, K] + `codes` (uint8 buffer).
 
-    The int64 flat index is a non-persistent cache rebuilt whenever `set_codes` changes the topology.
+    The int64 flat index is a non-persistent cache, rebuilt whenever the codes change: it is keyed on the codes
+    buffer's storage and version counter, so `set_codes`, `load_state_dict`, a collective writing into the
+    buffer and a device move all invalidate it.
     """
 
     def __init__(self, in_features: int, out_features: int, spec: NMSpec, bias: bool = False,
@@ -76,6 +78,7 @@ class NMSparseLinear(nn.Module):
                                                   dtype=torch.uint8, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self._index: torch.Tensor | None = None
+        self._index_key: tuple | None = None
         if self.values.device.type != "meta":
             self.reset_parameters()
 
@@ -85,8 +88,12 @@ class NMSparseLinear(nn.Module):
 
     @property
     def index(self) -> torch.Tensor:
-        if self._index is None or self._index.device != self.codes.device:
-            self._index = kept_index(self.meta)
+        if self.codes.is_inference():
+            # Inference tensors carry no version counter, so the cache could not see a change: rebuild.
+            return kept_index(self.meta)
+        key = (self.codes.device, self.codes.data_ptr(), self.codes._version)
+        if self._index is None or self._index_key != key:
+            self._index, self._index_key = kept_index(self.meta), key
         return self._index
 
     def init_std_value(self) -> float:
@@ -109,11 +116,11 @@ class NMSparseLinear(nn.Module):
 
     @torch.no_grad()
     def set_codes(self, codes: torch.Tensor) -> None:
-        """Install a new topology (values must be moved by the caller) and drop the cached index."""
+        """Install a new topology (values must be moved by the caller); the in-place copy bumps the codes'
+        version, which invalidates the cached index."""
         meta = NMMeta(codes, self.spec, (self.out_features, self.in_features))
         assert is_legal(meta), f"illegal codes for {self.spec} {meta.shape}"
         self.codes.copy_(codes)
-        self._index = None
 
     def dense_weight(self) -> torch.Tensor:
         """The decompressed [O, I] weight (for export and tests; never used in training)."""

@@ -175,7 +175,8 @@ def mask_from_scores(scores: torch.Tensor, n: int, layout: str) -> torch.Tensor:
         return mask.scatter_(-1, top, True).view(out_f, in_f)
     motifs = block_motifs(n, device=scores.device)
     blocks = _to_blocks(scores).reshape(out_f // M, in_f // M, M * M)
-    gain = blocks.float() @ motifs.view(-1, M * M).float().T   # [out/4, in/4, P]
+    work = torch.promote_types(scores.dtype, torch.float32)   # float64 scores keep their precision
+    gain = blocks.to(work) @ motifs.view(-1, M * M).to(work).T   # [out/4, in/4, P]
     return _from_blocks(motifs[gain.argmax(-1)])
 
 

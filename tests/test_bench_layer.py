@@ -1,0 +1,46 @@
+"""tools/bench_layer.py --quick writes the JSON the issue names, with storage ratios that match DESIGN s3's byte
+counts (bf16 values + packed row codes or one motif byte per block)."""
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK_SHAPES = ((32, 48), (48, 32), (64, 96))   # (in, out), as in bench_layer.QUICK_SHAPES
+
+
+def expected_storage_ratio(n, layout):
+    ratios = []
+    for in_f, out_f in QUICK_SHAPES:
+        k = in_f * n // 4
+        code_bytes = out_f * math.ceil(k / 4) if layout == "row" else (out_f // 4) * (in_f // 4)
+        ratios.append((out_f * k * 2 + code_bytes) / (out_f * in_f * 2))
+    return max(ratios)
+
+
+def test_quick_bench_layer_writes_every_named_figure(tmp_path, monkeypatch, capsys):
+    # In-process: a subprocess would spend most of the test importing torch again.
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    bench_layer = importlib.import_module("bench_layer")
+    out = tmp_path / "bench_layer.json"
+    threads = torch.get_num_threads()
+    try:
+        bench_layer.main(["--quick", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    payload = json.loads(out.read_text())
+
+    assert set(payload) == {"machine", "config", "fwd_bwd_ratio", "storage_ratio"}
+    assert {"cpu", "cores", "torch", "deepspeed", "transformers", "gpu"} <= set(payload["machine"])
+    assert payload["config"]["quick"] is True and payload["config"]["threads"] >= 1
+    cases = {f"{s}-{lay}/{i}x{o}" for s in ("1:4", "2:4") for lay in ("row", "block") for i, o in QUICK_SHAPES}
+    assert set(payload["fwd_bwd_ratio"]) == cases
+    assert all(math.isfinite(r) and r > 0 for r in payload["fwd_bwd_ratio"].values())
+    assert set(payload["storage_ratio"]) == {"1:4-row", "1:4-block", "2:4-row", "2:4-block"}
+    for key, ratio in payload["storage_ratio"].items():
+        n, layout = int(key[0]), key.split("-")[1]
+        assert abs(ratio - expected_storage_ratio(n, layout)) < 1e-12, key
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("2:4-block/64x96")   # table printed last

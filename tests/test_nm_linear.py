@@ -1,0 +1,226 @@
+"""NMSparseLinear (distsparse/layers/nm_linear.py) against a float64 dense masked reference built here:
+outputs, gradients, saved tensors, checkpointing, persistent bytes, optimizer steps, errors and init."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+from distsparse.layers import NMLinearFunction, NMSparseLinear
+from distsparse.nm import NMSpec, decode, encode, move_slots, random_mask, slot_map
+
+SPECS = [NMSpec(n, 4, layout) for n in (1, 2, 3) for layout in ("row", "block")]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny tensors gain nothing from a second thread, and on a loaded 2-core VM every parallel region can
+    # wait a scheduler time slice for it.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def dense_masked_weight(layer):
+    """W [out, in]: zeros, with each row's values written at its kept columns in ascending order."""
+    mask = decode(layer.meta)
+    weight = torch.zeros(layer.out_features, layer.in_features, dtype=torch.float64)
+    weight[mask] = layer.values.detach().double().flatten()   # boolean assignment is row-major
+    return weight, mask
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_outputs_and_gradients_equal_a_float64_dense_masked_reference(spec):
+    layer = NMSparseLinear(16, 12, spec, bias=True, dtype=torch.float64, seed=3)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    grad_y = torch.randn(2, 5, 12, dtype=torch.float64)
+    layer(x).backward(grad_y)
+
+    weight, mask = dense_masked_weight(layer)
+    weight.requires_grad_(True)
+    bias = layer.bias.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = torch.einsum("bti,oi->bto", x_ref, weight) + bias
+    y_ref.backward(grad_y)
+
+    torch.testing.assert_close(layer(x), y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.bias.grad, bias.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layer.values.grad, weight.grad[mask].view(12, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)
+def test_function_passes_gradcheck_in_float64(spec):
+    layer = NMSparseLinear(8, 8, spec, dtype=torch.float64)
+    values = layer.values.detach().clone().requires_grad_(True)
+    bias = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, v, b: NMLinearFunction.apply(x, v, layer.index, 8, b), (x, values, bias))
+
+
+def saved_shapes(module, x):
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    y.sum().backward()
+    return shapes
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_no_dense_weight_sized_tensor_is_saved_for_backward(spec):
+    out_f, in_f = 12, 16
+    x = torch.randn(5, in_f, requires_grad=True)
+    shapes = saved_shapes(NMSparseLinear(in_f, out_f, spec, bias=True), x)
+    assert shapes and all(math.prod(s) != out_f * in_f for s in shapes), shapes
+    # The probe sees a dense layer's weight, so it would see ours.
+    assert any(math.prod(s) == out_f * in_f for s in saved_shapes(nn.Linear(in_f, out_f), x))
+
+
+def two_layer_grads(net, x, mode):
+    x = x.detach().clone().requires_grad_(True)
+
+    def run(inp):
+        return net[1](torch.nn.functional.gelu(net[0](inp)))
+
+    net.zero_grad(set_to_none=True)
+    if mode == "plain":
+        y = run(x)
+    else:
+        y = checkpoint(run, x, use_reentrant=(mode == "reentrant"))
+    (y ** 2).sum().backward()
+    return [x.grad] + [p.grad.clone() for p in net.parameters()]
+
+
+def test_activation_checkpointing_reentrant_or_not_gives_the_plain_gradients():
+    net = nn.Sequential(NMSparseLinear(16, 12, NMSpec(2), bias=True, seed=1),
+                        NMSparseLinear(12, 8, NMSpec(1, 4, "block"), bias=True, seed=2))
+    x = torch.randn(6, 16)
+    plain = two_layer_grads(net, x, "plain")
+    for mode in ("reentrant", "non_reentrant"):
+        grads = two_layer_grads(net, x, mode)
+        assert len(grads) == len(plain) == 5
+        for got, want in zip(grads, plain):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def state_bytes(module):
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in module.state_dict().values()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("layout", ["row", "block"])
+@pytest.mark.parametrize("sparsity, bound", [("1:4", 0.29), ("2:4", 0.57)])
+@pytest.mark.parametrize("in_f, out_f", [(40, 24), (512, 1376)])
+def test_persistent_state_is_bf16_values_plus_packed_codes_within_the_bound(layout, sparsity, bound, in_f, out_f):
+    spec = NMSpec.parse(sparsity, layout)
+    layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.bfloat16)
+    assert set(layer.state_dict()) == {"values", "codes"}   # the int64 index cache is not persisted
+    k = in_f * spec.n // 4
+    code_bytes = out_f * -(-k // 4) if layout == "row" else (out_f // 4) * (in_f // 4)   # DESIGN s3
+    assert state_bytes(layer) == out_f * k * 2 + code_bytes
+    assert state_bytes(layer) <= bound * out_f * in_f * 2
+
+
+@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)
+def test_pruned_positions_stay_zero_through_adamw_steps(spec):
+    layer = NMSparseLinear(16, 12, spec, bias=True)
+    assert all(p.numel() != 12 * 16 for p in layer.parameters())
+    mask = decode(layer.meta).clone()
+    before = layer.values.detach().clone()
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.05, weight_decay=0.1)
+    x, target = torch.randn(32, 16), torch.randn(32, 12)
+    for _ in range(4):
+        opt.zero_grad()
+        ((layer(x) - target) ** 2).mean().backward()
+        opt.step()
+    weight = layer.dense_weight()
+    assert torch.equal(decode(layer.meta), mask)
+    assert torch.count_nonzero(weight[~mask]) == 0
+    assert torch.equal(weight[mask], layer.values.detach().flatten())
+    assert bool((layer.values.detach() != before).all())
+
+
+def test_loading_a_state_dict_or_setting_codes_rebuilds_the_cached_index():
+    a = NMSparseLinear(16, 8, NMSpec(2), seed=0)
+    b = NMSparseLinear(16, 8, NMSpec(2), seed=1)
+    x = torch.randn(3, 16)
+    b(x)   # fills b's index cache
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
+
+    new_codes = encode(random_mask(8, 16, NMSpec(2), torch.Generator().manual_seed(5)), NMSpec(2)).codes
+    slots = slot_map(b.meta, type(b.meta)(new_codes, b.spec, b.meta.shape))
+    with torch.no_grad():
+        b.values.copy_(move_slots(b.values, slots, fill=0.0))
+    b.set_codes(new_codes)
+    weight, _ = dense_masked_weight(b)
+    torch.testing.assert_close(b(x).double(), x.double() @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build, needle, allowed", [
+    (lambda: NMSparseLinear(6, 8, NMSpec(1)), "in_features=6", "multiple of 4"),
+    (lambda: NMSparseLinear(8, 6, NMSpec(2, 4, "block")), "out_features=6", "multiples of 4"),
+    (lambda: NMSpec(4), "got 4", "1, 2, 3"),
+    (lambda: NMSpec(1, 8), "got 8", "4"),
+    (lambda: NMSpec(1, 4, "diag"), "'diag'", "row, block"),
+    (lambda: NMSpec.parse("3:5"), "'3:5'", "1:4, 2:4, 3:4"),
+    (lambda: NMSpec.parse("half"), "'half'", "1:4, 2:4, 3:4"),
+    (lambda: NMSparseLinear(8, 8, NMSpec(1), init="xavier"), "'xavier'", "swi, hf"),
+])
+def test_bad_shapes_and_settings_raise_one_value_error_naming_value_and_allowed(build, needle, allowed):
+    with pytest.raises(ValueError) as err:
+        build()
+    assert needle in str(err.value) and allowed in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("sparsity", ["1:4", "2:4"])
+def test_swi_init_std_is_sqrt_two_over_density_times_fan_in(sparsity):
+    spec = NMSpec.parse(sparsity)
+    layer = NMSparseLinear(256, 128, spec, init="swi")
+    values = layer.values.detach().double().flatten()
+    expected = math.sqrt(2.0 / (spec.n / 4 * 256))
+    # >= 8192 samples: the relative standard error of a std estimate is 1/sqrt(2 n) < 0.8 %.
+    assert abs(values.std().item() / expected - 1) < 0.04
+    assert abs(values.mean().item()) < 4 * expected / math.sqrt(values.numel())
+    hf = NMSparseLinear(256, 128, spec, init="hf", init_std=0.02)
+    assert abs(hf.values.detach().double().std().item() / 0.02 - 1) < 0.04
+
+
+def test_the_same_seed_gives_the_same_layer_and_another_seed_does_not():
+    a, b = (NMSparseLinear(32, 16, NMSpec(2, 4, "block"), seed=11) for _ in range(2))
+    c = NMSparseLinear(32, 16, NMSpec(2, 4, "block"), seed=12)
+    assert torch.equal(a.values, b.values) and torch.equal(a.codes, b.codes)
+    assert not torch.equal(a.values, c.values) and not torch.equal(a.codes, c.codes)
+
+
+@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)
+def test_a_layer_built_on_meta_then_materialized_equals_one_built_directly(spec):
+    direct = NMSparseLinear(32, 16, spec, bias=True, seed=4)
+    lazy = NMSparseLinear(32, 16, spec, bias=True, seed=4, device="meta")
+    assert lazy.values.is_meta
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    for name, tensor in direct.state_dict().items():
+        assert torch.equal(lazy.state_dict()[name], tensor), name
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(lazy(x), direct(x), rtol=0, atol=0)
+
+
+def test_copy_to_another_dtype_keeps_the_topology():
+    layer = NMSparseLinear(16, 8, NMSpec(2), seed=2)
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    assert half.codes.dtype == torch.uint8 and torch.equal(half.codes, layer.codes)
+    torch.testing.assert_close(half.dense_weight().float(), layer.dense_weight(), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,314 @@
+"""N:M pattern libraries and compressed storage (distsparse/nm): round trips, legality, the packed code format,
+mask selection and slot maps, each checked against a brute-force reference written here from DESIGN s3."""
+
+import functools
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distsparse.nm import (
+    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, is_legal, kept_index,
+    mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, slot_map,
+)
+
+SPECS = [NMSpec(n, 4, layout) for n in (1, 2, 3) for layout in ("row", "block")]
+FAST = settings(max_examples=30, deadline=None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny tensors gain nothing from a second thread, and on a loaded 2-core VM every parallel region can
+    # wait a scheduler time slice for it.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@st.composite
+def spec_shape_seed(draw, specs=SPECS):
+    spec = draw(st.sampled_from(specs))
+    out_f = draw(st.integers(1, 5)) * 4 if spec.layout == "block" else draw(st.integers(1, 9))
+    in_f = draw(st.integers(1, 7)) * 4
+    return spec, out_f, in_f, draw(st.integers(0, 2**31 - 1))
+
+
+def legal_mask(spec, out_f, in_f, seed):
+    return random_mask(out_f, in_f, spec, torch.Generator().manual_seed(seed))
+
+
+# ---- brute-force references ----------------------------------------------------------------------------------
+
+@functools.cache
+def all_blocks_with_n_per_row_and_column(n):
+    """Every 4x4 bool matrix with n ones in each row and column, by enumerating all 2^16 matrices."""
+    bits = (torch.arange(1 << 16).unsqueeze(1) >> torch.arange(16)) & 1
+    blocks = bits.view(-1, 4, 4)
+    ok = (blocks.sum(-1) == n).all(-1) & (blocks.sum(-2) == n).all(-1)
+    return blocks[ok].bool()
+
+
+def reference_row_codes(mask):
+    """DESIGN s3: the 2-bit in-group position of each kept value, four per byte, first value in the low bits,
+    padding slots zero."""
+    rows = []
+    for row in mask.tolist():
+        pos = [c % 4 for c, kept in enumerate(row) if kept]
+        pos += [0] * (-len(pos) % 4)
+        rows.append([sum(p << (2 * i) for i, p in enumerate(pos[b:b + 4])) for b in range(0, len(pos), 4)])
+    return torch.tensor(rows, dtype=torch.uint8)
+
+
+def unpack_row_codes(codes):
+    """Inverse of `reference_row_codes`: int positions [out, 4 * bytes] (padding slots included)."""
+    return torch.stack([(codes.long() >> (2 * i)) & 3 for i in range(4)], dim=-1).flatten(1)
+
+
+def pack_positions(pos):
+    """[out, 4 * bytes] int positions -> packed uint8 codes (no checks, so corrupt codes can be built)."""
+    pos = pos.view(pos.shape[0], -1, 4)
+    return sum(pos[..., i] << (2 * i) for i in range(4)).to(torch.uint8)
+
+
+def kept_values_in_order(dense, mask):
+    """Values [out, k]: each row's kept weights in ascending column order (boolean indexing is row-major)."""
+    return dense[mask].view(mask.shape[0], -1)
+
+
+# ---- libraries -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, num_rows, num_blocks", [(1, 4, 24), (2, 6, 90), (3, 4, 24)])
+def test_libraries_hold_every_legal_pattern_once(n, num_rows, num_blocks):
+    rows = row_patterns(n)
+    assert rows.shape == (num_rows, 4) == (math.comb(4, n), 4)
+    assert {tuple(r) for r in rows.tolist()} == {tuple(i in c for i in range(4))
+                                                 for c in itertools.combinations(range(4), n)}
+    motifs = block_motifs(n)
+    assert motifs.shape == (num_blocks, 4, 4)
+    assert bool((motifs.sum(-1) == n).all()) and bool((motifs.sum(-2) == n).all())
+    as_set = {tuple(m.flatten().tolist()) for m in motifs}
+    assert len(as_set) == num_blocks
+    assert as_set == {tuple(m.flatten().tolist()) for m in all_blocks_with_n_per_row_and_column(n)}
+
+
+def test_three_of_four_motifs_are_the_complements_of_one_of_four():
+    ones = {tuple((~m).flatten().tolist()) for m in block_motifs(1)}
+    assert ones == {tuple(m.flatten().tolist()) for m in block_motifs(3)}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_motif_ids_index_the_library_and_mark_illegal_blocks(n):
+    motifs = block_motifs(n)
+    assert torch.equal(motif_ids(motifs, n), torch.arange(len(motifs)))
+    illegal = torch.zeros(3, 4, 4, dtype=torch.bool)
+    illegal[1, 0, :n + 1] = True                      # one row keeps n + 1
+    illegal[2] = motifs[0]
+    illegal[2, :, 0] = ~illegal[2, :, 0]              # column 0 flipped: counts off
+    assert motif_ids(illegal, n).tolist() == [-1, -1, -1]
+
+
+# ---- round trips and format ------------------------------------------------------------------------------------
+
+@FAST
+@given(spec_shape_seed())
+def test_encode_decode_round_trips_and_is_legal(case):
+    spec, out_f, in_f, seed = case
+    mask = legal_mask(spec, out_f, in_f, seed)
+    meta = encode(mask, spec)
+    assert tuple(meta.codes.shape) == codes_shape(spec, out_f, in_f) and meta.codes.dtype == torch.uint8
+    assert is_legal(meta)
+    assert torch.equal(decode(meta), mask)
+
+
+@FAST
+@given(spec_shape_seed())
+def test_compress_keeps_each_rows_values_in_column_order_and_decompress_restores_the_masked_matrix(case):
+    spec, out_f, in_f, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    mask = legal_mask(spec, out_f, in_f, seed)
+    dense = torch.randn(out_f, in_f, generator=gen, dtype=torch.float64)
+    values, meta = compress(dense, mask, spec)
+    assert values.shape == (out_f, in_f * spec.n // 4)
+    assert torch.equal(values, kept_values_in_order(dense, mask))
+    assert torch.equal(decompress(values, meta), torch.where(mask, dense, torch.zeros_like(dense)))
+    assert torch.equal(kept_index(meta), mask.flatten().nonzero().flatten())
+
+
+@FAST
+@given(spec_shape_seed([s for s in SPECS if s.layout == "row"]))
+def test_row_codes_are_packed_two_bit_positions_low_bits_first(case):
+    spec, out_f, in_f, seed = case
+    mask = legal_mask(spec, out_f, in_f, seed)
+    assert torch.equal(encode(mask, spec).codes, reference_row_codes(mask))
+
+
+@FAST
+@given(spec_shape_seed([s for s in SPECS if s.layout == "block"]))
+def test_block_codes_are_library_indices_of_each_block(case):
+    spec, out_f, in_f, seed = case
+    mask = legal_mask(spec, out_f, in_f, seed)
+    library = [m.tolist() for m in block_motifs(spec.n)]
+    expected = [[library.index(mask[4 * r:4 * r + 4, 4 * c:4 * c + 4].tolist()) for c in range(in_f // 4)]
+                for r in range(out_f // 4)]
+    assert encode(mask, spec).codes.tolist() == expected
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_random_mask_is_reproducible_and_uniform_over_the_library(spec):
+    # 200 draws per pattern: every count within 5 sigma of uniform (binomial sigma = sqrt(200 (1 - 1/P))).
+    num = len(row_patterns(spec.n)) if spec.layout == "row" else len(block_motifs(spec.n))
+    out_f, in_f = (4, 200 * num) if spec.layout == "row" else (40, 80 * num)
+    a = legal_mask(spec, out_f, in_f, 7)
+    assert torch.equal(a, legal_mask(spec, out_f, in_f, 7))
+    assert not torch.equal(a, legal_mask(spec, out_f, in_f, 8))
+    if spec.layout == "row":
+        library = [tuple(p) for p in row_patterns(spec.n).tolist()]
+        ids = torch.tensor([library.index(tuple(g)) for g in a.view(-1, 4).tolist()])
+    else:
+        ids = motif_ids(a.view(10, 4, -1, 4).transpose(1, 2), spec.n).flatten()
+    assert int(ids.min()) >= 0
+    counts = torch.bincount(ids, minlength=num).double()
+    assert counts.sum() == 200 * num
+    assert float((counts - 200).abs().max()) <= 5 * math.sqrt(200)
+
+
+def test_encode_refuses_a_mask_that_breaks_the_pattern():
+    mask = legal_mask(NMSpec(2, 4, "block"), 8, 8, 0)
+    row_ok_block_not = torch.tensor([[1, 1, 0, 0]] * 4, dtype=torch.bool)   # every row 2:4, columns 4/4/0/0
+    mask[:4, :4] = row_ok_block_not
+    encode(mask, NMSpec(2, 4, "row"))
+    with pytest.raises(ValueError, match="not a legal 2:4-block"):
+        encode(mask, NMSpec(2, 4, "block"))
+
+
+# ---- legality of corrupted codes -------------------------------------------------------------------------------
+
+def corrupt_row_positions(spec, out_f, in_f, seed, edit):
+    meta = encode(legal_mask(spec, out_f, in_f, seed), spec)
+    pos = unpack_row_codes(meta.codes)
+    edit(pos, meta.kept_per_row)
+    return NMMeta(pack_positions(pos), spec, (out_f, in_f))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_is_legal_rejects_duplicate_positions_in_a_group(n):
+    def dup(pos, k):
+        pos[1, 1] = pos[1, 0]
+    assert not is_legal(corrupt_row_positions(NMSpec(n), 3, 16, 0, dup))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_is_legal_rejects_positions_out_of_order(n):
+    def swap(pos, k):
+        pos[2, n], pos[2, n + 1] = pos[2, n + 1].clone(), pos[2, n].clone()   # second group, first two slots
+    assert not is_legal(corrupt_row_positions(NMSpec(n), 3, 16, 0, swap))
+
+
+@pytest.mark.parametrize("n, in_f", [(1, 8), (1, 20), (3, 12)])   # k = 2, 5, 9: the last byte is padded
+def test_is_legal_rejects_nonzero_padding_bits(n, in_f):
+    def pad(pos, k):
+        pos[0, k] = 1
+    meta = corrupt_row_positions(NMSpec(n), 2, in_f, 0, pad)
+    assert not is_legal(meta)
+    assert is_legal(corrupt_row_positions(NMSpec(n), 2, in_f, 0, lambda pos, k: None))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_is_legal_rejects_motif_ids_past_the_library(n):
+    spec = NMSpec(n, 4, "block")
+    meta = encode(legal_mask(spec, 8, 8, 0), spec)
+    codes = meta.codes.clone()
+    codes[1, 0] = len(block_motifs(n)) - 1
+    assert is_legal(NMMeta(codes, spec, meta.shape))
+    for bad in (len(block_motifs(n)), 255):
+        codes[1, 0] = bad
+        assert not is_legal(NMMeta(codes, spec, meta.shape))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_is_legal_rejects_codes_of_the_wrong_shape_or_dtype(spec):
+    meta = encode(legal_mask(spec, 8, 16, 0), spec)
+    assert is_legal(meta)
+    assert not is_legal(NMMeta(meta.codes[:-1], spec, meta.shape))
+    assert not is_legal(NMMeta(torch.cat([meta.codes, meta.codes[:, :1]], 1), spec, meta.shape))
+    assert not is_legal(NMMeta(meta.codes.long(), spec, meta.shape))
+    assert not is_legal(NMMeta(meta.codes, spec, (8, 18)))     # in not divisible by 4
+
+
+# ---- mask selection --------------------------------------------------------------------------------------------
+
+def best_achievable_per_group(scores, n, layout):
+    """Brute force: the best summed score of any legal pattern, per row group or per 4x4 block."""
+    out_f, in_f = scores.shape
+    if layout == "row":
+        groups = scores.view(out_f, in_f // 4, 4)
+        combos = [list(c) for c in itertools.combinations(range(4), n)]
+        return torch.stack([groups[..., c].sum(-1) for c in combos], -1).amax(-1)
+    blocks = scores.view(out_f // 4, 4, in_f // 4, 4).transpose(1, 2)
+    motifs = all_blocks_with_n_per_row_and_column(n)
+    return (blocks.unsqueeze(-3) * motifs.double()).sum((-1, -2)).amax(-1)   # [bo, bi, P] -> best
+
+
+def chosen_per_group(scores, mask, layout):
+    picked = torch.where(mask, scores, torch.zeros_like(scores))
+    out_f, in_f = scores.shape
+    if layout == "row":
+        return picked.view(out_f, in_f // 4, 4).sum(-1)
+    return picked.view(out_f // 4, 4, in_f // 4, 4).sum((1, 3))
+
+
+@FAST
+@given(spec_shape_seed(), st.booleans())
+def test_mask_from_scores_is_legal_and_reaches_the_best_summed_score(case, integer_scores):
+    spec, out_f, in_f, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    if integer_scores:   # many ties
+        scores = torch.randint(0, 3, (out_f, in_f), generator=gen).double()
+    else:
+        scores = torch.randn(out_f, in_f, generator=gen, dtype=torch.float64)
+    mask = mask_from_scores(scores, spec.n, spec.layout)
+    assert is_legal(encode(mask, spec))
+    torch.testing.assert_close(chosen_per_group(scores, mask, spec.layout),
+                               best_achievable_per_group(scores, spec.n, spec.layout), rtol=0, atol=1e-12)
+
+
+# ---- slot maps -------------------------------------------------------------------------------------------------
+
+def overlapping_masks(spec, out_f, in_f, seed):
+    """Two legal masks sharing about half of their groups (or blocks), so that many links survive."""
+    old, fresh = legal_mask(spec, out_f, in_f, seed), legal_mask(spec, out_f, in_f, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    if spec.layout == "row":
+        keep = torch.rand(out_f, in_f // 4, generator=gen) < 0.5
+        keep = keep.repeat_interleave(4, 1)
+    else:
+        keep = torch.rand(out_f // 4, in_f // 4, generator=gen) < 0.5
+        keep = keep.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    return old, torch.where(keep, old, fresh)
+
+
+@FAST
+@given(spec_shape_seed())
+def test_slot_map_and_move_slots_keep_every_surviving_link_and_fill_new_ones(case):
+    spec, out_f, in_f, seed = case
+    old_mask, new_mask = overlapping_masks(spec, out_f, in_f, seed)
+    dense = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    old_values, old_meta = compress(dense, old_mask, spec)
+    new_meta = encode(new_mask, spec)
+
+    old_slot = {}   # (row, col) -> slot in the old values, from the dense mask
+    for slot, (r, c) in enumerate(old_mask.nonzero().tolist()):
+        old_slot[(r, c)] = slot
+    new_links = new_mask.nonzero().tolist()
+    expected_slots = [old_slot.get((r, c), -1) for r, c in new_links]
+    expected_values = [dense[r, c].item() if old_mask[r, c] else 7.5 for r, c in new_links]
+
+    slots = slot_map(old_meta, new_meta)
+    assert slots.tolist() == expected_slots
+    moved = move_slots(old_values, slots, fill=7.5)
+    assert moved.shape == old_values.shape
+    assert moved.flatten().tolist() == expected_values
