@@ -188,7 +188,8 @@ class Trainer:
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
                 metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl})
-            if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or "loss/val" in metrics:
+            if (self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or "loss/val" in metrics
+                    or "topology/refresh_s" in metrics):
                 self.writer.log(metrics, self.step)
                 if self.rank == 0:
                     elapsed = time.perf_counter() - start
