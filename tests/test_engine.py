@@ -2,12 +2,13 @@
 
 import torch
 
-from distsparse.config import load_config
+from distsparse.config import TopologyConfig, load_config
 from distsparse.models import build_model, projection_names
 from distsparse.nm import NMMeta, decode, encode, kept_index, random_mask, scatter_kept, slot_map
 from distsparse.optim.engine import MatrixEngine, RefreshOutcome
 from distsparse.optim.owners import assign_owners, rank_loads
 from distsparse.optim.rules import get_rule
+from distsparse.train.topology_policy import TopologyPolicy
 
 
 def _tiny(method: str, layers: int = 2):
@@ -21,25 +22,29 @@ def _tiny(method: str, layers: int = 2):
     return cfg, model, backbone
 
 
-def _train(rank, world_size, method, mode, steps, layers=2):
+def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0):
     torch.manual_seed(0)
     cfg, model, backbone = _tiny(method, layers)
     hp = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr)
     engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode)
+    topology = TopologyPolicy(TopologyConfig(enabled=bool(refresh_every), update_interval=max(1, refresh_every)),
+                              total_steps=steps, seed=7)
     gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         x = torch.randint(0, 97, (2, 12), generator=gen)
         model(input_ids=x, labels=x).loss.backward()
         assert all((m.values if hasattr(m, "values") else m.weight).grad is None for m in backbone.values())
         engine.reduce_gradients()
-        engine.step(cfg.method.lr)
+        engine.step(cfg.method.lr, refresh=topology.refresh_fn(step) if topology.due(step) else None)
         engine.zero_grad()
     values = {n: (m.values if hasattr(m, "values") else m.weight).detach().clone() for n, m in backbone.items()}
-    return values, engine.owners, engine.state_bytes()
+    codes = {n: m.codes.clone() for n, m in backbone.items() if hasattr(m, "codes")}
+    return values, engine.owners, engine.state_bytes(), codes
 
 
 def _run_modes(rank, world_size, method):
-    return _train(rank, world_size, method, "sharded", 20, 1), _train(rank, world_size, method, "replicated", 20, 1)
+    return (_train(rank, world_size, method, "sharded", 20, 1, refresh_every=5),
+            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5))
 
 
 def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
@@ -50,11 +55,14 @@ def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
         for name in s0[0]:
             assert torch.equal(s0[0][name], s1[0][name]), f"{name}: ranks disagree"
             torch.testing.assert_close(s0[0][name], r0[0][name], rtol=0, atol=1e-6)
+        # Refreshes computed by owners (sharded) give the same masks as every rank computing all of them.
+        for name in s0[3]:
+            assert torch.equal(s0[3][name], s1[3][name]) and torch.equal(s0[3][name], r0[3][name]), name
         assert s0[2] < r0[2], "sharded state must be smaller than replicated"
 
 
 def test_one_rank_trains_without_collectives():
-    values, owners, _ = _train(0, 1, "chtsnm_nobranch_2of4_block", "sharded", 3)
+    values, owners, _, _ = _train(0, 1, "chtsnm_nobranch_2of4_block", "sharded", 3)
     assert set(owners.values()) == {0}
     assert all(torch.isfinite(v).all() for v in values.values())
 

@@ -27,6 +27,7 @@ def _run(rank, world_size, data_dir, out_dir, overrides, steps):
                       + overrides)
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
     before = _snapshot(trainer)
+    codes_before = {n: m.codes.clone() for n, m in trainer.backbone.items() if hasattr(m, "codes")}
     result = trainer.train()
     after = _snapshot(trainer)
     grads_left = [n for n, m in trainer.backbone.items() if backbone_param(m).grad is not None]
@@ -34,7 +35,8 @@ def _run(rank, world_size, data_dir, out_dir, overrides, steps):
                      for m in trainer.backbone.values() if isinstance(m, NMSparseLinear))
     trainer.close()
     return {"before": before, "after": after, "grads_left": grads_left, "masks_zero": masks_zero,
-            "result": result, "codes": {n: m.codes.clone() for n, m in trainer.backbone.items() if hasattr(m, "codes")}}
+            "result": result, "codes": {n: m.codes.clone() for n, m in trainer.backbone.items() if hasattr(m, "codes")},
+            "codes_changed": any(not torch.equal(c, trainer.backbone[n].codes) for n, c in codes_before.items())}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,8 @@ def data_dir(tmp_path_factory):
 
 
 def test_two_ranks_train_both_sides_and_keep_backbones_identical(ranks2, data_dir, tmp_path):
-    r0, r1 = ranks2.run(_run, data_dir, str(tmp_path), ["method.preset=chtsnm_nobranch_1of4_row"], 3)
+    r0, r1 = ranks2.run(_run, data_dir, str(tmp_path), ["method.preset=chtsnm_nobranch_1of4_row",
+                                                        "method.topology.update_interval=1"], 3)
     for name, value in r0["after"][1].items():
         assert torch.equal(value, r1["after"][1][name]), f"{name} differs between ranks"
         assert not torch.equal(value, r0["before"][1][name]), f"{name} did not train"
@@ -54,7 +57,8 @@ def test_two_ranks_train_both_sides_and_keep_backbones_identical(ranks2, data_di
     assert r0["grads_left"] == [] and r1["grads_left"] == []
     assert r0["masks_zero"]
     for name, codes in r0["codes"].items():
-        assert torch.equal(codes, r1["codes"][name])
+        assert torch.equal(codes, r1["codes"][name]), f"{name}: masks differ between ranks after refreshes"
+    assert r0["codes_changed"], "refreshes at steps 1 and 2 changed no mask"
     assert r0["result"].val_loss < 5.0 and r0["result"].val_ppl == pytest.approx(
         torch.tensor(r0["result"].val_loss).exp().item(), rel=1e-6)
 

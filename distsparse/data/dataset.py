@@ -1,0 +1,86 @@
+"""Token-shard dataset: samples of a prepared data directory (data_prep/prepare.py) as LongTensors.
+
+Owns reading `meta.json` and the memmap shards `train.bin` / `val.bin`; does not decide order (sampler.py).
+DESIGN s6 data modes:
+- `packed`: one EOS-separated token stream; sample i is tokens[i*seq_len:(i+1)*seq_len] (the tail shorter than
+  seq_len is not used). Any seq_len works; meta's unigram PPL was computed with the prepared one.
+- `truncate_pad`: one row per document, padded at the end; seq_len must equal the prepared one.
+Labels equal input_ids except -100 at pad; HF LlamaForCausalLM shifts labels by one internally.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+SPLITS = ("train", "val")
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index, used by HF models
+META_KEYS = ("vocab_size", "dtype", "mode", "seq_len", "num_tokens", "eos_id", "pad_id")
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    """meta.json of a prepared directory; ValueError naming the missing directory, file or key."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise ValueError(f"data_dir: got {str(data_dir)!r}, which is not a directory; allowed: a directory "
+                         "written by `python -m data_prep.prepare --out DIR`")
+    meta_file = data_dir / "meta.json"
+    if not meta_file.is_file():
+        raise ValueError(f"data_dir: {str(data_dir)!r} has no meta.json (missing file: {meta_file}); allowed: a "
+                         "finished `python -m data_prep.prepare --out DIR` (meta.json is written last)")
+    meta = json.loads(meta_file.read_text())
+    missing = [key for key in META_KEYS if key not in meta]
+    if missing:
+        raise ValueError(f"{meta_file}: missing keys {missing}; re-run data_prep.prepare")
+    return meta
+
+
+class TokenDataset(Dataset):
+    """`ds[i] -> {"input_ids": int64 [seq_len], "labels": int64 [seq_len]}` from one split's shard."""
+
+    def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
+        if split not in SPLITS:
+            raise ValueError(f"split: got {split!r}; allowed: {', '.join(SPLITS)}")
+        self.meta = load_meta(data_dir)
+        self.mode = self.meta["mode"]
+        self.pad_id = self.meta["pad_id"]
+        self.seq_len = seq_len
+        self.path = Path(data_dir) / f"{split}.bin"
+        if not self.path.is_file():
+            raise ValueError(f"data_dir: {str(data_dir)!r} has no {self.path.name} (missing file: {self.path})")
+        if self.mode == "truncate_pad" and seq_len != self.meta["seq_len"]:
+            raise ValueError(f"seq_len: got {seq_len}; allowed: {self.meta['seq_len']} (the data in {data_dir} is "
+                             "truncate_pad rows of that length; re-prepare it for another length)")
+        if self.mode == "packed" and seq_len < 2:
+            raise ValueError(f"seq_len: got {seq_len}; allowed: >= 2")
+        self._tokens: np.ndarray | None = None  # opened lazily, so that pickling to workers copies no data
+        # truncate_pad: whole rows; packed: the tail shorter than seq_len is in no sample.
+        self.num_samples = self.tokens.size // seq_len
+        if self.num_samples == 0:
+            raise ValueError(f"seq_len: got {seq_len}; allowed: <= {self.tokens.size}, the {split} split's length")
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=np.dtype(self.meta["dtype"]), mode="r")
+        return self._tokens
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
+        start = index * self.seq_len
+        input_ids = torch.from_numpy(self.tokens[start: start + self.seq_len].astype(np.int64))
+        labels = input_ids.clone()
+        if self.mode == "truncate_pad":
+            labels[input_ids == self.pad_id] = IGNORE_INDEX
+        return {"input_ids": input_ids, "labels": labels}
