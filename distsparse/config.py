@@ -191,12 +191,26 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = ""                      # "": <train.out_dir>/checkpoints
+    interval: int = 0                  # optimizer steps between saves; 0: only on preemption and at the end
+    keep_last: int = 3
+    resume: str = ""                   # "": start fresh; auto: newest complete checkpoint; or a checkpoint dir
+    save_at_end: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.interval", self.interval, allow_zero=True)
+        _positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # ---- building from dicts -------------------------------------------------------------------------------

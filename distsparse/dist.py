@@ -49,3 +49,12 @@ def barrier(group=None) -> None:
 def new_group():
     """A dedicated process group (the matrix engine's traffic stays out of DeepSpeed's)."""
     return dist.new_group(backend=dist.get_backend()) if is_initialized() else None
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order (small metadata only: file names and checksums)."""
+    if not is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

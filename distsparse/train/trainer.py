@@ -28,7 +28,10 @@ from distsparse.layers.dense_latent import DenseLatentLinear
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
+from distsparse.train.checkpoint import CheckpointManager
+from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
+from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.schedule import lr_factor
 from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
@@ -42,6 +45,7 @@ class TrainResult:
     train_loss: float
     val_loss: float
     val_ppl: float
+    preempted: bool = False
 
 
 def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.Module]) -> list[dict]:
@@ -91,6 +95,11 @@ class Trainer:
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
         self.step = 0
+        self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
+                                             cfg.checkpoint.keep_last)
+        self.preemption = PreemptionFlag().install()
+        if cfg.checkpoint.resume:
+            self.resume(cfg.checkpoint.resume)
 
     def _dense_scheduler(self, optimizer):
         t = self.cfg.train
@@ -164,6 +173,39 @@ class Trainer:
         count_all = int(ddist.dist_sum(float(count)))
         return perplexity(total_all, count_all)
 
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        manifest = {"consumed_samples": self.sampler.state_dict()["consumed_samples"],
+                    "config": config_to_dict(self.cfg), "tokenizer_sha256": self.meta.get("tokenizer_sha256", ""),
+                    "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
+                    "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype}
+        path = self.checkpoints.save(self.step, ds_engine=self.engine, matrix_engine=self.matrix, manifest=manifest,
+                                     dense_state=gather_dense_state(self.engine, self.model, self.rank))
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def resume(self, which: str) -> None:
+        ckpt = self.checkpoints.find(which)
+        if ckpt is None:
+            log.info("resume %s: no checkpoint under %s, starting fresh", which, self.checkpoints.root)
+            return
+        m = ckpt.manifest
+        if m["world_size"] == self.world_size:
+            self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name)
+        else:
+            # ZeRO files are per partition: load the module, then the dense optimizer state by name.
+            self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name, load_module_only=True,
+                                        load_optimizer_states=False, load_lr_scheduler_states=False)
+            restore_dense_state(self.engine, self.model, self.checkpoints.load_tensors(ckpt, "dense_state.safetensors"),
+                                m["step"])
+        self.matrix.load_state_dict(self.checkpoints.load_backbone(ckpt, list(self.matrix.masters)))
+        self.sampler.load_state_dict({"consumed_samples": m["consumed_samples"]})
+        self.step = m["step"]
+        self.checkpoints.load_rng(ckpt)
+        log.info("resumed from %s at step %d (saved on %d ranks, now %d)", ckpt.path, self.step, m["world_size"],
+                 self.world_size)
+
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
@@ -177,6 +219,7 @@ class Trainer:
         micro_batches = iter(self.sampler)
         start = time.perf_counter()
         last_log, metrics, val_loss, val_ppl = start, {}, float("nan"), float("nan")
+        preempted = False
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             batches = [collate(self.train_data, next(micro_batches)) for _ in range(cfg.train.grad_accum)]
@@ -200,6 +243,17 @@ class Trainer:
                     if "loss/val" in metrics:
                         line += f" | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
                     log.info(line)
+            if ddist.any_rank(self.preemption.set):   # one collective: ranks agree on a signal seen by any
+                log.warning("preemption signal: saving a checkpoint at step %d and exiting", self.step)
+                self.save()
+                preempted = True
+                break
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step < cfg.train.steps:
+                self.save()
+        if preempted:
+            return TrainResult(self.step, metrics.get("loss/train", float("nan")), val_loss, val_ppl, True)
+        if cfg.checkpoint.save_at_end and (cfg.checkpoint.interval or cfg.checkpoint.resume):
+            self.save()
         final = {"final/val_loss": val_loss, "final/val_ppl": val_ppl, "final/train_loss": metrics["loss/train"]}
         self.writer.hparams(config_to_dict(cfg), final)
         if self.rank == 0:
@@ -207,4 +261,5 @@ class Trainer:
         return TrainResult(self.step, metrics["loss/train"], val_loss, val_ppl)
 
     def close(self) -> None:
+        self.preemption.uninstall()
         self.writer.close()

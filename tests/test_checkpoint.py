@@ -1,0 +1,159 @@
+"""Checkpoints: exact resume, elastic resume (2 -> 1, 1 -> 2), atomicity, corrupt files, preemption."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsparse.config import load_config
+from distsparse.models import backbone_param
+from distsparse.train.checkpoint import CheckpointError, CheckpointManager
+from distsparse.train.ds_config import build_ds_config
+from synthetic_data import make_data_dir
+
+BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_interval=1000",
+        "train.log_interval=1", "train.warmup_steps=2", "train.eval_samples=16", "train.micro_batch=2",
+        "method.preset=chtsnm_nobranch_1of4_row", "method.topology.update_interval=2", "train.steps=8"]
+
+
+def _losses(out_dir: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(Path(out_dir) / "tb"))
+    ea.Reload()
+    return {e.step: e.value for e in ea.Scalars("loss/train")}
+
+
+def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, signal_rank=None):
+    from distsparse.train.trainer import Trainer
+    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides)
+    trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
+    if stop_after is not None:
+        # Deliver a real signal to one rank after `stop_after` steps, through the trainer's own handler.
+        original = trainer.train_step
+
+        def step_then_signal(batches):
+            out = original(batches)
+            if trainer.step + 1 == stop_after and rank == signal_rank:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return out
+        trainer.train_step = step_then_signal
+    result = trainer.train()
+    values = {n: backbone_param(m).detach().clone() for n, m in trainer.backbone.items()}
+    codes = {n: m.codes.clone() for n, m in trainer.backbone.items()}
+    dense = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "embed" in n or "norm" in n}
+    trainer.close()
+    return {"result": result, "values": values, "codes": codes, "dense": dense}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_data_dir(tmp_path_factory.mktemp("data"))
+
+
+def test_preempted_run_resumes_bit_for_bit(ranks2, data_dir, tmp_path):
+    full = ranks2.run(_train, data_dir, str(tmp_path / "full"), [])
+    # SIGUSR1 to rank 1 only after step 4: every rank saves a complete checkpoint and stops cleanly.
+    part = ranks2.run(_train, data_dir, str(tmp_path / "part"), [], 4, 1)
+    assert all(r["result"].preempted and r["result"].step == 4 for r in part)
+    ckpt = tmp_path / "part" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step00000004"
+    resumed = ranks2.run(_train, data_dir, str(tmp_path / "part"), ["checkpoint.resume=auto"])
+    for name, v in full[0]["values"].items():
+        assert torch.equal(v, resumed[0]["values"][name]), name
+        assert torch.equal(full[0]["codes"][name], resumed[0]["codes"][name]), name
+    for name, v in full[0]["dense"].items():
+        assert torch.equal(v, resumed[0]["dense"][name]), name
+    a, b = _losses(tmp_path / "full"), _losses(tmp_path / "part")
+    assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]
+
+
+def test_elastic_resume_two_to_one_and_one_to_two(ranks2, data_dir, tmp_path):
+    two = ranks2.run(_train, data_dir, str(tmp_path / "two"), [], 4, 0)
+    ref = ranks2.run(_train, data_dir, str(tmp_path / "ref"), [])
+    # 2 -> 1: the same global batch (micro 2 x accum 2 x 1 rank == micro 2 x accum 1 x 2 ranks).
+    one = _train_single(data_dir, str(tmp_path / "two"), ["checkpoint.resume=auto", "train.grad_accum=2"])
+    for name, v in ref[0]["values"].items():
+        assert torch.equal(ref[0]["codes"][name], one["codes"][name]), name
+        torch.testing.assert_close(v, one["values"][name], rtol=1e-4, atol=1e-5)
+    la, lb = _losses(tmp_path / "ref"), _losses(tmp_path / "two")
+    for s in range(5, 9):
+        assert abs(la[s] - lb[s]) <= 1e-5 * abs(la[s]), (s, la[s], lb[s])
+    # 1 -> 2: a one-rank run saved at step 4 continues on two ranks like the one-rank run itself.
+    single = _train_single(data_dir, str(tmp_path / "one"), ["train.grad_accum=2", "checkpoint.interval=4"])
+    resumed = ranks2.run(_train, data_dir, str(tmp_path / "one_to_two"),
+                         [f"checkpoint.resume={tmp_path / 'one' / 'checkpoints' / 'step00000004'}"])
+    for name, v in single["values"].items():
+        assert torch.equal(single["codes"][name], resumed[0]["codes"][name]), name
+        torch.testing.assert_close(v, resumed[0]["values"][name], rtol=1e-4, atol=1e-5)
+    la, lb = _losses(tmp_path / "one"), _losses(tmp_path / "one_to_two")
+    for s in range(5, 9):
+        assert abs(la[s] - lb[s]) <= 1e-5 * abs(la[s]), (s, la[s], lb[s])
+
+
+def _train_single(data_dir, out_dir, overrides):
+    """One process: a fresh world of one through the launcher's own single-process path."""
+    import subprocess
+    import sys
+    script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
+    args = [sys.executable, "-c", script, "--ds_config", "configs/ds/zero2.json"] + BASE + [
+        f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    subprocess.run(args, check=True, env=env, cwd=Path(__file__).resolve().parent.parent)
+    from safetensors.torch import load_file
+    ckpt = Path(out_dir) / "checkpoints" / (Path(out_dir) / "checkpoints" / "latest").read_text()
+    flat = load_file(str(ckpt / "backbone" / "rank00000.safetensors"))
+    return {"values": {k.split("::")[0]: v for k, v in flat.items() if k.endswith("::master")},
+            "codes": {k.split("::")[0]: v for k, v in flat.items() if k.endswith("::codes")}}
+
+
+def test_truncated_file_is_refused_by_name_and_auto_falls_back(tmp_path):
+    root = tmp_path / "ck"
+    for step in (2, 4):
+        d = root / f"step{step:08d}"
+        (d / "backbone").mkdir(parents=True)
+        (d / "backbone" / "rank00000.safetensors").write_bytes(b"x" * 100)
+        from distsparse.train.checkpoint import _sha256
+        files = {"backbone/rank00000.safetensors": {"bytes": 100, "sha256": _sha256(d / "backbone/rank00000.safetensors")}}
+        (d / "manifest.json").write_text(json.dumps({"format_version": 1, "step": step, "world_size": 1,
+                                                     "files": files, "owners": {}}))
+    (root / "latest").write_text("step00000004")
+    bad = root / "step00000004" / "backbone" / "rank00000.safetensors"
+    bad.write_bytes(b"x" * 50)
+    mgr = CheckpointManager(root)
+    with pytest.raises(CheckpointError, match="rank00000.safetensors is truncated or corrupt"):
+        mgr.find(str(root / "step00000004"))
+    assert mgr.find("auto").path.name == "step00000002"
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(ranks2, data_dir, tmp_path):
+    ranks2.run(_crash_second_save, data_dir, str(tmp_path))
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text() == "step00000002"
+    assert CheckpointManager(root).find("auto").path.name == "step00000002"
+    assert not (root / "step00000004").exists()
+
+
+def _crash_second_save(rank, world_size, data_dir, out_dir):
+    from distsparse.train import checkpoint as ck
+    from distsparse.train.trainer import Trainer
+    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", "checkpoint.interval=2",
+                                    "train.steps=6", "checkpoint.save_at_end=false"])
+    trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
+    original = ck.CheckpointManager._write_rank_files
+
+    def failing(self, tmp, engine):
+        if "step00000004" in str(tmp):
+            raise OSError("injected failure: disk full")
+        return original(self, tmp, engine)
+    ck.CheckpointManager._write_rank_files = failing
+    try:
+        with pytest.raises(OSError, match="injected"):
+            trainer.train()
+    finally:
+        ck.CheckpointManager._write_rank_files = original
+        trainer.close()
