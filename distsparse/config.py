@@ -99,6 +99,25 @@ class BranchConfig:
 
 
 @dataclass(kw_only=True)
+class PermutationConfig:
+    """ShuffleSparse input permutations (DESIGN s5): q/k/v share one, gate/up share one, o and down own one."""
+    mode: str = "none"                 # none | identity | random | learned
+    block_size: int = 64
+    lambda_max: float = 1.0e-4         # penalty weight, ramped linearly over T_perm (seed Alg. 1 line 590)
+    t_perm_fraction: float = 0.5       # T_perm = fraction * total steps: every block hard by then
+    delta: float = 0.22                # per-row penalty under which a block hardens (seed App. F, ViT-B/16)
+    check_interval: int = 10           # steps between hardening checks
+
+    def __post_init__(self) -> None:
+        _choice("method.permutation.mode", self.mode, PERMUTATION_MODES)
+        _positive("method.permutation.block_size", self.block_size)
+        _positive("method.permutation.lambda_max", self.lambda_max, allow_zero=True)
+        _positive("method.permutation.check_interval", self.check_interval)
+        if not 0 < self.t_perm_fraction <= 1:
+            raise ValueError(f"method.permutation.t_perm_fraction: got {self.t_perm_fraction}; allowed: (0, 1]")
+
+
+@dataclass(kw_only=True)
 class MethodConfig:
     preset: str = ""
     name: str = "chts24"
@@ -112,6 +131,7 @@ class MethodConfig:
     latent_args: dict = field(default_factory=dict)  # DenseLatentLinear options (ste/srste/cast baselines)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     branch: BranchConfig = field(default_factory=BranchConfig)
+    permutation: PermutationConfig = field(default_factory=PermutationConfig)
 
     def __post_init__(self) -> None:
         _choice("method.backbone", self.backbone, BACKBONE_MODES)

@@ -16,7 +16,8 @@ from synthetic_data import make_data_dir
 
 BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_interval=1000",
         "train.log_interval=1", "train.warmup_steps=2", "train.eval_samples=16", "train.micro_batch=2",
-        "method.preset=chtsnm_nobranch_1of4_row", "method.topology.update_interval=2", "train.steps=8"]
+        "method.preset=chtsnm_nobranch_1of4_row", "method.topology.update_interval=2", "train.steps=8",
+        "method.permutation.mode=learned", "method.permutation.block_size=16", "method.permutation.lambda_max=0.01"]
 
 
 def _losses(out_dir: str) -> dict[int, float]:
@@ -44,6 +45,7 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, sign
     values = {n: backbone_param(m).detach().clone() for n, m in trainer.backbone.items()}
     codes = {n: m.codes.clone() for n, m in trainer.backbone.items()}
     dense = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "embed" in n or "norm" in n}
+    dense.update({n: b.clone() for n, b in trainer.model.named_buffers() if "hard_" in n})   # permutation state
     trainer.close()
     return {"result": result, "values": values, "codes": codes, "dense": dense}
 

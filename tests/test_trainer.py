@@ -70,3 +70,39 @@ def test_gradient_accumulation_1x4_equals_4x1(ranks2, data_dir, tmp_path):
     for part in (0, 1):
         for name, value in a[0]["after"][part].items():
             torch.testing.assert_close(value, b[0]["after"][part][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _permuted(rank, world_size, data_dir, out_dir):
+    from distsparse.layers.permutation import BlockPermutation
+    from distsparse.train.trainer import Trainer
+    from distsparse.data import collate
+    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", "train.steps=6",
+                                    "method.preset=chts24_1of4_row", "method.permutation.mode=learned",
+                                    "method.permutation.block_size=16", "method.permutation.t_perm_fraction=1.0",
+                                    "method.permutation.lambda_max=0.1"])
+    trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
+    perms = {n: m for n, m in trainer.model.named_modules() if isinstance(m, BlockPermutation)}
+    theta0 = {n: m.theta.detach().clone() for n, m in perms.items()}
+    micro_batches = iter(trainer.sampler)
+    for _ in range(3):   # 3 of 6 steps: T_perm = 6, so every block is still soft
+        trainer.train_step([collate(trainer.train_data, next(micro_batches))])
+        trainer.step += 1
+    out = {}
+    for name, perm in perms.items():
+        soft = (~perm.hard_mask).nonzero().squeeze(1)
+        blocks = perm.soft_blocks(soft).detach()
+        out[name] = {"rows": blocks.sum(-1), "cols": blocks.sum(-2), "min": float(blocks.min()),
+                     "theta": perm.theta.detach().clone(), "moved": not torch.equal(theta0[name], perm.theta)}
+    trainer.close()
+    return out
+
+
+def test_learned_permutations_stay_doubly_stochastic_under_zero2(ranks2, data_dir, tmp_path):
+    r0, r1 = ranks2.run(_permuted, data_dir, str(tmp_path))
+    assert len(r0) == 2 * 4, "q/k/v share one permutation and gate/up share one: 4 per layer"
+    for name, p in r0.items():
+        assert p["moved"], f"{name}: theta did not train"
+        torch.testing.assert_close(p["rows"], torch.ones_like(p["rows"]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(p["cols"], torch.ones_like(p["cols"]), rtol=0, atol=1e-5)
+        assert p["min"] >= 0
+        assert torch.equal(p["theta"], r1[name]["theta"]), f"{name}: ranks disagree"

@@ -17,6 +17,7 @@ from distsparse.config import MethodConfig, ModelConfig
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.branches import build_branch, rank_for_budget
 from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.projection import SparseProjection, backbone_core
 from distsparse.utils import stable_seed
 
@@ -85,18 +86,41 @@ def branch_rank(model_cfg: ModelConfig, method: MethodConfig) -> int:
     return rank_for_budget(b.kind, b.budget_percent, dense, shapes, b.hidden)
 
 
+# Projections reading the same input share one permutation (DESIGN decision 12).
+PERMUTATION_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+                      "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+
+
+def _permutation(model: nn.Module, name: str, old: nn.Linear, method: MethodConfig, seed: int,
+                 shared: dict[str, BlockPermutation]) -> BlockPermutation | None:
+    perm = method.permutation
+    if perm.mode == "none":
+        return None
+    layer, _, proj = name.rpartition(".")
+    key = f"{layer.rpartition('.')[0]}.{PERMUTATION_GROUPS[proj]}"
+    if key not in shared:
+        shared[key] = BlockPermutation(old.in_features, perm.block_size, perm.mode, seed=stable_seed(seed, key),
+                                       device=old.weight.device)
+    return shared[key]
+
+
 def sparsify(model: LlamaForCausalLM, method: MethodConfig, seed: int, rank: int = 0) -> None:
-    """Swap every projection for the method's backbone layer, with its branch when the method has one."""
+    """Swap every projection for the method's backbone layer, with its branch and input permutation when the
+    method has them."""
     init_std = model.config.initializer_range
+    shared: dict[str, BlockPermutation] = {}
     for name in projection_names(model):
         old = model.get_submodule(name)
         core = _core(old, method, name, seed, init_std)
+        branch = None
         if method.branch.kind != "none":
             torch.manual_seed(stable_seed(seed, name, "branch"))
             branch = build_branch(method.branch.kind, old.in_features, old.out_features, rank=rank,
                                   hidden=method.branch.hidden, gamma=method.branch.gamma,
                                   device=old.weight.device)
-            core = SparseProjection(core, branch)
+        permutation = _permutation(model, name, old, method, seed, shared)
+        if branch is not None or permutation is not None:
+            core = SparseProjection(core, branch, permutation)
         if core is not old:
             _set_submodule(model, name, core)
 
@@ -108,7 +132,7 @@ def _materialize(model: LlamaForCausalLM, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     std = model.config.initializer_range
     for name, module in model.named_modules():
-        if isinstance(module, (NMSparseLinear, DenseLatentLinear)):
+        if isinstance(module, (NMSparseLinear, DenseLatentLinear, BlockPermutation)):
             module.reset_parameters()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
             module.weight.normal_(0.0, std, generator=gen)

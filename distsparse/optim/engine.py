@@ -290,3 +290,29 @@ class MatrixEngine:
         """Bytes of backbone optimizer state on this rank: masters, rule state and the gradient buffer."""
         tensors = list(self.masters.values()) + [t for s in self.states.values() for t in s.values()]
         return sum(t.untyped_storage().nbytes() for t in tensors) + self.grad_buffer.untyped_storage().nbytes()
+
+    def comm_bytes_per_step(self, refresh_interval: int | None) -> dict[str, float]:
+        """Bytes this rank sends per optimizer step in the backbone collectives, padding included.
+
+        Ring algorithms (NCCL's bus-bandwidth model): reduce-scatter and all-gather send W-1 shards, an
+        all-reduce 2 (W-1)/W of its buffer. `reduce`: the gradient buffer in `reduce_dtype`; `scalars`: the
+        joint-norm and finiteness all-reduces the trainer issues every step; `values`: the all-gather in the
+        backbone dtype; `codes`: the uint8 code all-gather that follows a refresh, amortized over
+        `refresh_interval` steps (None: no refreshes). Replicated mode all-reduces and gathers nothing.
+        """
+        if refresh_interval is not None and (not isinstance(refresh_interval, int) or refresh_interval < 1):
+            raise ValueError(f"refresh_interval: got {refresh_interval!r}; allowed: None or an integer >= 1")
+        w = self.world_size
+        out = {"reduce": 0.0, "scalars": 0.0, "values": 0.0, "codes": 0.0}
+        if w > 1:
+            out["scalars"] = 2 * (w - 1) / w * (torch.float64.itemsize + torch.float32.itemsize)
+            if self.mode == "replicated":
+                out["reduce"] = 2 * (w - 1) / w * w * self.shard_size * self.reduce_dtype.itemsize
+            else:
+                values_dtype = next(iter(self.matrices.values())).param.dtype
+                out["reduce"] = float((w - 1) * self.shard_size * self.reduce_dtype.itemsize)
+                out["values"] = float((w - 1) * self.shard_size * values_dtype.itemsize)
+                if refresh_interval is not None:
+                    out["codes"] = (w - 1) * self.codes_shard_size / refresh_interval
+        out["total"] = sum(out.values())
+        return out

@@ -31,6 +31,7 @@ from distsparse.optim.rules import get_rule
 from distsparse.train.checkpoint import CheckpointManager
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
+from distsparse.train.permutation_policy import PermutationPolicy
 from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.schedule import lr_factor
@@ -93,6 +94,7 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
                                           self.world_size, self.rank, cfg.train.seed)
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
+        self.permutations = PermutationPolicy(cfg.method.permutation, self.model, cfg.train.steps)
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
         self.step = 0
         self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
@@ -131,8 +133,12 @@ class Trainer:
         grad_norm, coef = 0.0, 1.0
         for i, batch in enumerate(batches):
             out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
-            aux = mean_aux_loss(self.model)   # Add+Align's alignment term, None for other branches
-            self.engine.backward(out.loss if aux is None else out.loss + aux)
+            loss = out.loss
+            for extra in (mean_aux_loss(self.model),               # Add+Align's alignment term
+                          self.permutations.penalty(self.step)):   # ShuffleSparse penalty on soft blocks
+                if extra is not None:
+                    loss = loss + extra
+            self.engine.backward(loss)
             losses.append(out.loss.detach().float())
             if i == len(batches) - 1:
                 self.matrix.reduce_gradients()
@@ -156,6 +162,7 @@ class Trainer:
                         self.step, applied, finite)
             metrics["optim/skipped_steps"] = 1.0
         self.matrix.zero_grad()
+        metrics.update(self.permutations.after_step(self.step + 1))
         loss = ddist.dist_sum(torch.stack(losses).mean().double()) / self.world_size
         metrics["loss/train"] = float(loss)
         return metrics
@@ -231,8 +238,8 @@ class Trainer:
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
                 metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl})
-            if (self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or "loss/val" in metrics
-                    or "topology/refresh_s" in metrics):
+            periodic = any(k.startswith(("loss/val", "topology/", "permutation/")) for k in metrics)
+            if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or periodic:
                 self.writer.log(metrics, self.step)
                 if self.rank == 0:
                     elapsed = time.perf_counter() - start
