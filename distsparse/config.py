@@ -174,9 +174,11 @@ class DataConfig:
 class EngineConfig:
     mode: str = "sharded"              # sharded (owners) | replicated (all-reduce, the oracle)
     reduce_dtype: str = "fp32"         # fp32 | bf16
+    num_buckets: int = 1               # > 1: each bucket's reduce-scatter starts during the last backward
 
     def __post_init__(self) -> None:
         _choice("engine.mode", self.mode, ("sharded", "replicated"))
+        _positive("engine.num_buckets", self.num_buckets)
         _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
 
 

@@ -22,16 +22,17 @@ def _tiny(method: str, layers: int = 2):
     return cfg, model, backbone
 
 
-def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0):
+def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, num_buckets=1):
     torch.manual_seed(0)
     cfg, model, backbone = _tiny(method, layers)
     hp = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr)
-    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode)
+    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode, num_buckets=num_buckets)
     topology = TopologyPolicy(TopologyConfig(enabled=bool(refresh_every), update_interval=max(1, refresh_every)),
                               total_steps=steps, seed=7)
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(1, steps + 1):
         x = torch.randint(0, 97, (2, 12), generator=gen)
+        engine.start_boundary()
         model(input_ids=x, labels=x).loss.backward()
         assert all((m.values if hasattr(m, "values") else m.weight).grad is None for m in backbone.values())
         engine.reduce_gradients()
@@ -44,17 +45,20 @@ def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0):
 
 def _run_modes(rank, world_size, method):
     return (_train(rank, world_size, method, "sharded", 20, 1, refresh_every=5),
-            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5))
+            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5),
+            _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, num_buckets=3))
 
 
 def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
     for method in ("chtsnm_nobranch_1of4_row",):
-        (s0, r0), (s1, r1) = ranks2.run(_run_modes, method)
+        (s0, r0, b0), (s1, r1, b1) = ranks2.run(_run_modes, method)
         assert s0[1] == s1[1], "owner maps differ between ranks"
         assert set(s0[1].values()) == {0, 1}
         for name in s0[0]:
             assert torch.equal(s0[0][name], s1[0][name]), f"{name}: ranks disagree"
             torch.testing.assert_close(s0[0][name], r0[0][name], rtol=0, atol=1e-6)
+            # Buckets reduced during backward (async) give the same result as one reduce after it.
+            assert torch.equal(s0[0][name], b0[0][name]) and torch.equal(b0[0][name], b1[0][name]), name
         # Refreshes computed by owners (sharded) give the same masks as every rank computing all of them.
         for name in s0[3]:
             assert torch.equal(s0[3][name], s1[3][name]) and torch.equal(s0[3][name], r0[3][name]), name

@@ -50,6 +50,8 @@ class Matrix:
     owner: int
     offset: int                   # in the owner's value shard
     codes_offset: int             # in the owner's codes shard
+    bucket: int = 0               # gradient bucket
+    grad_offset: int = 0          # in the owner's shard of that bucket
 
     @property
     def sparse(self) -> bool:
@@ -80,10 +82,22 @@ class RefreshOutcome:
 RefreshFn = Callable[[str, torch.Tensor, NMMeta], RefreshOutcome]
 
 
+@dataclass
+class GradBucket:
+    """A group of matrices whose gradients are reduced together; shard r of `buffer` holds r's matrices."""
+    names: list[str]
+    shard_size: int
+    buffer: torch.Tensor          # fp32 [W * shard_size]
+    arrived: int = 0              # gradients accumulated in the current backward
+    handle: object = None         # in-flight async collective
+    wire: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
 class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
-                 initial_values: dict[str, torch.Tensor] | None = None):
+                 initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1):
         if reset_mode not in ("changed", "all"):
             # TODO: reset mode `none` needs the dense V/P shadow of matrix_state.update_shadow kept per owner.
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed in the engine: changed, all")
@@ -116,7 +130,9 @@ class MatrixEngine:
         self.shard_size = _align(max(fill))
         self.codes_shard_size = _align(max(codes_fill))
         device = next(iter(params.values())).device
-        self.grad_buffer = torch.zeros(self.world_size * self.shard_size, dtype=torch.float32, device=device)
+        self.device = device
+        self.buckets = self._make_buckets(num_buckets, device)
+        self._boundary = False
 
         local = self.matrices.values() if mode == "replicated" else self.owned()
         self.masters: dict[str, torch.Tensor] = {}
@@ -129,6 +145,26 @@ class MatrixEngine:
 
     # ---- layout ------------------------------------------------------------------------------------------
 
+    def _make_buckets(self, num_buckets: int, device) -> list[GradBucket]:
+        """Split the matrices into buckets in reverse name order (deepest layers first, roughly the order in
+        which backward produces their gradients), each with its own shard-aligned fp32 buffer, so a bucket's
+        reduce-scatter can start while backward still runs on earlier layers."""
+        if num_buckets < 1:
+            raise ValueError(f"engine.num_buckets: got {num_buckets}; allowed: an integer >= 1")
+        names = sorted(self.matrices, reverse=True)
+        per = -(-len(names) // num_buckets)
+        buckets = []
+        for b, start in enumerate(range(0, len(names), per)):
+            fill = [0] * self.world_size
+            for name in names[start:start + per]:
+                m = self.matrices[name]
+                m.bucket, m.grad_offset = b, fill[m.owner]
+                fill[m.owner] += m.numel
+            size = _align(max(fill))
+            buckets.append(GradBucket(names[start:start + per], size,
+                                      torch.zeros(self.world_size * size, dtype=torch.float32, device=device)))
+        return buckets
+
     def owned(self) -> list[Matrix]:
         return [m for m in self.matrices.values() if m.owner == self.rank]
 
@@ -137,40 +173,79 @@ class MatrixEngine:
         return [self.matrices[n] for n in self.masters]
 
     def _grad_view(self, m: Matrix) -> torch.Tensor:
-        start = m.owner * self.shard_size + m.offset
-        return self.grad_buffer[start:start + m.numel]
+        bucket = self.buckets[m.bucket]
+        start = m.owner * bucket.shard_size + m.grad_offset
+        return bucket.buffer[start:start + m.numel]
 
     def _hook(self, m: Matrix):
-        view = self._grad_view(m)
+        view, bucket = self._grad_view(m), self.buckets[m.bucket]
 
         def accumulate(param: torch.Tensor) -> None:
             view.add_(param.grad.reshape(-1).float())   # fp32 accumulation across micro-batches
             param.grad = None
+            bucket.arrived += 1
+            if self._boundary and bucket.arrived == len(bucket.names):
+                self._launch(bucket)   # overlap: reduce this bucket while backward continues
         return accumulate
+
+    def start_boundary(self) -> None:
+        """Call before the backward of the last micro-batch of a step: buckets then reduce as they fill."""
+        self._boundary = True
+        for bucket in self.buckets:
+            bucket.arrived = 0
+
+    def start_micro_step(self) -> None:
+        """Call before a backward that does not end the step (no collectives)."""
+        for bucket in self.buckets:
+            bucket.arrived = 0
 
     # ---- phase 1 and 2: reduce and norm ------------------------------------------------------------------
 
+    def _launch(self, bucket: GradBucket) -> None:
+        if self.world_size == 1 or bucket.handle is not None:
+            return
+        bucket.wire = bucket.buffer.to(self.reduce_dtype)
+        if self.mode == "replicated":
+            bucket.handle = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+        else:
+            bucket.out = torch.empty(bucket.shard_size, dtype=self.reduce_dtype, device=bucket.wire.device)
+            bucket.handle = dist.reduce_scatter_tensor(bucket.out, bucket.wire, group=self.group, async_op=True)
+
     def reduce_gradients(self) -> None:
-        """Mean over ranks: owners receive their shard (sharded) or everyone the whole buffer (replicated)."""
+        """Mean over ranks: owners receive their shard (sharded) or everyone the whole buffer (replicated).
+        Buckets already launched from the hooks are only waited for."""
+        self._boundary = False
         if self.world_size == 1:
             return
-        wire = self.grad_buffer.to(self.reduce_dtype)
-        if self.mode == "replicated":
-            dist.all_reduce(wire, group=self.group)
-            self.grad_buffer.copy_(wire)
-        else:
-            shard = torch.empty(self.shard_size, dtype=self.reduce_dtype, device=wire.device)
-            dist.reduce_scatter_tensor(shard, wire, group=self.group)
-            self._own_shard().copy_(shard)
-        self.grad_buffer.div_(self.world_size)
+        for bucket in self.buckets:
+            self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            if self.mode == "replicated":
+                bucket.buffer.copy_(bucket.wire)
+            else:
+                self._own_shard(bucket).copy_(bucket.out)
+            bucket.buffer.div_(self.world_size)
+            bucket.handle = bucket.wire = bucket.out = None
 
-    def _own_shard(self) -> torch.Tensor:
-        return self.grad_buffer[self.rank * self.shard_size:(self.rank + 1) * self.shard_size]
+    def _own_shard(self, bucket: GradBucket) -> torch.Tensor:
+        return bucket.buffer[self.rank * bucket.shard_size:(self.rank + 1) * bucket.shard_size]
+
+    @property
+    def grad_buffer(self) -> torch.Tensor:
+        """The flat fp32 gradient buffer [W * S] of a single-bucket engine (benchmarks fill it directly)."""
+        assert len(self.buckets) == 1, f"grad_buffer needs num_buckets=1, got {len(self.buckets)}"
+        return self.buckets[0].buffer
+
+    @property
+    def grad_shard_total(self) -> int:
+        """Elements of one rank's gradient shards over all buckets (padding included)."""
+        return sum(b.shard_size for b in self.buckets)
 
     def local_grad_sq_norm(self) -> torch.Tensor:
         """Sum of squared reduced gradients of the matrices this rank is responsible for in the norm
-        (its own shard in both modes, so that a sum over ranks counts every matrix once)."""
-        return self._own_shard().double().square().sum()
+        (its own shards in both modes, so that a sum over ranks counts every matrix once)."""
+        return sum(self._own_shard(b).double().square().sum() for b in self.buckets)
 
     def grad_sq_norm(self) -> torch.Tensor:
         total = self.local_grad_sq_norm()
@@ -224,7 +299,7 @@ class MatrixEngine:
                 self.matrices[name].module.set_codes(codes)
             return
         sparse = [m for m in self.matrices.values() if m.sparse]
-        send = torch.zeros(self.codes_shard_size, dtype=torch.uint8, device=self.grad_buffer.device)
+        send = torch.zeros(self.codes_shard_size, dtype=torch.uint8, device=self.device)
         for m in self.owned():
             if m.sparse:
                 codes = pending.get(m.name, m.module.codes)
@@ -243,7 +318,7 @@ class MatrixEngine:
                 m.param.data.copy_(self.masters[m.name].view(m.param.shape))
             return
         dtype = next(iter(self.matrices.values())).param.dtype   # bf16 on the wire when training in bf16
-        send = torch.zeros(self.shard_size, dtype=dtype, device=self.grad_buffer.device)
+        send = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         for m in self.owned():
             send[m.offset:m.offset + m.numel] = self.masters[m.name].reshape(-1)
         recv = torch.empty(self.world_size * self.shard_size, dtype=dtype, device=send.device)
@@ -253,11 +328,13 @@ class MatrixEngine:
             m.param.data.copy_(recv[start:start + m.numel].view(m.param.shape))
 
     def zero_grad(self) -> None:
-        self.grad_buffer.zero_()
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
 
     def grads_finite(self) -> bool:
         """Agreed across ranks: False when any rank's responsible gradients hold inf or nan."""
-        bad = (~torch.isfinite(self._own_shard())).any().to(torch.float32).reshape(1)
+        bad = torch.stack([(~torch.isfinite(self._own_shard(b))).any() for b in self.buckets]).any()
+        bad = bad.to(torch.float32).reshape(1)
         if self.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         return not bool(bad.item())
@@ -280,16 +357,17 @@ class MatrixEngine:
             if name not in states:
                 raise KeyError(f"matrix state for {name!r} missing from the checkpoint")
             entry = dict(states[name])
-            self.masters[name] = entry.pop("master").to(self.grad_buffer.device, torch.float32)
+            self.masters[name] = entry.pop("master").to(self.device, torch.float32)
             codes = entry.pop("codes", None)
             if codes is not None:
                 self.matrices[name].module.set_codes(codes.to(self.matrices[name].module.codes.device))
-            self.states[name] = {k: v.to(self.grad_buffer.device) if v.dim() else v for k, v in entry.items()}
+            self.states[name] = {k: v.to(self.device) if v.dim() else v for k, v in entry.items()}
 
     def state_bytes(self) -> int:
         """Bytes of backbone optimizer state on this rank: masters, rule state and the gradient buffer."""
         tensors = list(self.masters.values()) + [t for s in self.states.values() for t in s.values()]
-        return sum(t.untyped_storage().nbytes() for t in tensors) + self.grad_buffer.untyped_storage().nbytes()
+        buffers = sum(b.buffer.untyped_storage().nbytes() for b in self.buckets)
+        return sum(t.untyped_storage().nbytes() for t in tensors) + buffers
 
     def comm_bytes_per_step(self, refresh_interval: int | None) -> dict[str, float]:
         """Bytes this rank sends per optimizer step in the backbone collectives, padding included.
@@ -307,10 +385,10 @@ class MatrixEngine:
         if w > 1:
             out["scalars"] = 2 * (w - 1) / w * (torch.float64.itemsize + torch.float32.itemsize)
             if self.mode == "replicated":
-                out["reduce"] = 2 * (w - 1) / w * w * self.shard_size * self.reduce_dtype.itemsize
+                out["reduce"] = 2 * (w - 1) / w * w * self.grad_shard_total * self.reduce_dtype.itemsize
             else:
                 values_dtype = next(iter(self.matrices.values())).param.dtype
-                out["reduce"] = float((w - 1) * self.shard_size * self.reduce_dtype.itemsize)
+                out["reduce"] = float((w - 1) * self.grad_shard_total * self.reduce_dtype.itemsize)
                 out["values"] = float((w - 1) * self.shard_size * values_dtype.itemsize)
                 if refresh_interval is not None:
                     out["codes"] = (w - 1) * self.codes_shard_size / refresh_interval

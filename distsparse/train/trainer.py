@@ -65,7 +65,8 @@ def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group
                          f"{', '.join(f for f in rule.hparams.__dataclass_fields__ if f != 'lr')}") from None
     initial = {name: backbone_param(m).detach().float().clone() for name, m in backbone.items()}
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
-                        reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial)
+                        reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial,
+                        num_buckets=cfg.engine.num_buckets)
 
 
 class Trainer:
@@ -132,6 +133,10 @@ class Trainer:
         losses = []
         grad_norm, coef = 0.0, 1.0
         for i, batch in enumerate(batches):
+            if i == len(batches) - 1:
+                self.matrix.start_boundary()   # backbone buckets reduce as their gradients complete
+            else:
+                self.matrix.start_micro_step()
             out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
             loss = out.loss
             for extra in (mean_aux_loss(self.model),               # Add+Align's alignment term
