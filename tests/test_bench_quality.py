@@ -1,0 +1,175 @@
+"""tools/bench_quality.py: an end-to-end comparison on a tiny prepared corpus (JSON shape, equal token counts,
+plot, resumability), and its LR sweep, failure handling and reference ratios with the trainer replaced by a
+stand-in whose PPL is a known function of the learning rate."""
+
+import importlib
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from data_prep.prepare import PrepConfig, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the sparse matrix keeps one weight of every four in each row while the optimizer updates only "
+         "active values and the topology engine removes weak links and regrows links chosen by the network "
+         "paths of length three so the model learns which connections matter").split()
+DEFAULT_TRAIN_LR = 3e-3   # TrainConfig.lr, the dense-side default that no preset overrides
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    return importlib.import_module("bench_quality")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A few KB of seeded text in 40 paragraph documents, prepared with a 300-piece tokenizer."""
+    root = tmp_path_factory.mktemp("quality_corpus")
+    rng = random.Random(0)
+    for f in range(4):
+        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(10)]
+        (root / f"part{f}.txt").write_text("\n\n".join(paragraphs) + "\n")
+    out = root / "prepared"
+    prepare(PrepConfig(source=f"files:{root}/*.txt", out=out, vocab_size=300, val_fraction=0.25, num_proc=1,
+                       seq_len=32))
+    return out
+
+
+def preset_lr(method):
+    return float(yaml.safe_load((ROOT / "configs" / "method" / f"{method}.yaml").read_text())["lr"])
+
+
+def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, corpus, tmp_path, capsys):
+    out_json, out_png, runs = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "runs"
+    argv = ["--data", str(corpus), "--methods", "dense_adamw,chts24_1of4_row", "--model", "tiny", "--steps", "4",
+            "--eval-points", "2", "--micro-batch", "2", "--seq-len", "32", "--eval-samples", "4",
+            "--json", str(out_json), "--plot", str(out_png), "--out-root", str(runs)]
+    assert bench.main(argv) == 0
+    payload = json.loads(out_json.read_text())
+
+    assert set(payload) == {"machine", "config", "methods"}
+    assert payload["config"]["tokens_per_step"] == 2 * 32 and payload["config"]["eval_interval"] == 2
+    assert list(payload["methods"]) == ["dense_adamw", "chts24_1of4_row"]
+    for name, entry in payload["methods"].items():
+        assert entry["skipped"] is None
+        # Evaluations after steps 2 and 4 of 2 x 32 tokens each.
+        assert [t for t, _ in entry["curve"]] == [128, 256]
+        result = json.loads((runs / name / "full" / "result.json").read_text())
+        # The curve comes from TensorBoard, the final PPL from result.json: two paths to the same number.
+        assert entry["curve"][-1][1] == pytest.approx(entry["final_ppl"], rel=1e-5)
+        assert entry["final_ppl"] == pytest.approx(math.exp(result["final/val_loss"]), rel=1e-5)
+        assert 1.0 < entry["final_ppl"] < 400.0   # below a uniform guess over 300 pieces (+ slack for 4 steps)
+        assert entry["lr"] == pytest.approx(preset_lr(name)) and entry["dense_lr"] == pytest.approx(DEFAULT_TRAIN_LR)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+
+    mtimes = {p: p.stat().st_mtime_ns for p in runs.rglob("result.json")}
+    assert bench.main(argv) == 0
+    log = capsys.readouterr().out
+    assert log.count("already (final PPL") == 2 and ": training" not in log
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("result.json")} == mtimes
+    assert json.loads(out_json.read_text())["methods"] == payload["methods"]
+
+
+# ---- the comparison logic with a stand-in trainer -----------------------------------------------------------
+
+@pytest.fixture
+def fake_data(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 97, "source": "synthetic"}))
+    return data
+
+
+def fake_trainer(bench, calls, best_lr_scale, failing=()):
+    """PPL = 50 + 10 |log2(scale / best_lr_scale)| at every evaluation, so the best scale is known."""
+    def train(args, run):
+        calls.append(run)
+        if run.method in failing:
+            return bench.RunOutcome(None, None, None, [], "exit code 1: boom", 0.1)
+        scale = run.lr / preset_lr(run.method)
+        ppl = 50.0 + 10.0 * abs(math.log2(scale / best_lr_scale))
+        tokens = args.micro_batch * args.seq_len
+        curve = [[s * tokens, ppl] for s in range(run.eval_interval, run.steps + 1, run.eval_interval)]
+        return bench.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
+    return train
+
+
+def test_lr_sweep_runs_three_scales_on_a_quarter_of_the_steps_and_trains_at_the_best(bench, fake_data, tmp_path,
+                                                                                    monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=2.0))
+    out = tmp_path / "q.json"
+    assert bench.main(["--data", str(fake_data), "--methods", "dense_adamw,chtsnm_1of4_row", "--steps", "40",
+                       "--lr-sweep", "chtsnm_1of4_row", "--json", str(out), "--out-root", str(tmp_path)]) == 0
+    base = preset_lr("chtsnm_1of4_row")
+
+    assert [(c.method, c.steps) for c in calls] == [("dense_adamw", 40)] + [("chtsnm_1of4_row", 10)] * 3 + \
+        [("chtsnm_1of4_row", 40)]
+    assert [c.lr for c in calls[1:4]] == pytest.approx([0.5 * base, base, 2 * base])
+    assert [c.dense_lr for c in calls[1:4]] == pytest.approx([0.5 * DEFAULT_TRAIN_LR, DEFAULT_TRAIN_LR,
+                                                              2 * DEFAULT_TRAIN_LR])
+    assert calls[4].lr == pytest.approx(2 * base) and calls[4].dense_lr == pytest.approx(2 * DEFAULT_TRAIN_LR)
+    entry = json.loads(out.read_text())["methods"]["chtsnm_1of4_row"]
+    assert entry["lr"] == pytest.approx(2 * base) and entry["lr_sweep"]["chosen_scale"] == 2.0
+    assert entry["lr_sweep"]["steps"] == 10
+    assert [p["final_ppl"] for p in entry["lr_sweep"]["points"]] == pytest.approx([70.0, 60.0, 50.0])
+    assert "lr_sweep" not in json.loads(out.read_text())["methods"]["dense_adamw"]
+
+
+def test_a_failed_method_is_recorded_the_rest_runs_and_the_next_invocation_retries_only_it(bench, fake_data,
+                                                                                          tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0, failing={"ste_1of4_row"}))
+    out = tmp_path / "q.json"
+    argv = ["--data", str(fake_data), "--methods", "ste_1of4_row,dense_adamw", "--steps", "20", "--json", str(out),
+            "--out-root", str(tmp_path)]
+    assert bench.main(argv) == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert methods["ste_1of4_row"]["skipped"] == "exit code 1: boom" and methods["ste_1of4_row"]["final_ppl"] is None
+    assert methods["dense_adamw"]["skipped"] is None and methods["dense_adamw"]["final_ppl"] == 50.0
+    # Ten evaluation points at the same token counts: every 2 steps of 8 x 256 tokens.
+    assert [t for t, _ in methods["dense_adamw"]["curve"]] == [2 * k * 8 * 256 for k in range(1, 11)]
+
+    calls.clear()
+    assert bench.main(argv) == 0
+    assert [c.method for c in calls] == ["ste_1of4_row"]
+    calls.clear()
+    assert bench.main(argv + ["--force"]) == 0
+    assert [c.method for c in calls] == ["ste_1of4_row", "dense_adamw"]
+
+
+def test_a_json_of_another_comparison_is_refused_naming_the_setting(bench, fake_data, tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, [], 1.0))
+    argv = ["--data", str(fake_data), "--methods", "dense_adamw", "--json", str(tmp_path / "q.json"),
+            "--out-root", str(tmp_path)]
+    assert bench.main(argv + ["--steps", "20"]) == 0
+    assert bench.main(argv + ["--steps", "30"]) == 2
+    assert "steps (20 there, 30 now)" in capsys.readouterr().err
+
+
+def test_an_unknown_preset_fails_before_any_training(bench, fake_data, tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0))
+    assert bench.main(["--data", str(fake_data), "--methods", "dense_adamw,nope_1of4_row", "--steps", "20",
+                       "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]) == 2
+    assert calls == [] and "'nope_1of4_row'" in capsys.readouterr().err
+
+
+def test_ratios_divide_by_dense_and_by_chts24_of_the_same_sparsity_and_layout(bench):
+    def entry(ppl):
+        return {"final_ppl": ppl}
+    ratios = bench.reference_ratios({"dense_adamw": entry(100.0), "chts24_1of4_row": entry(150.0),
+                                     "chtsnm_1of4_row": entry(120.0), "ste_2of4_row": entry(130.0),
+                                     "cast_1of4_row": entry(None)})
+    assert ratios["chtsnm_1of4_row"] == pytest.approx({"vs_dense": 1.2, "vs_chts24": 0.8})
+    assert ratios["chts24_1of4_row"] == pytest.approx({"vs_dense": 1.5, "vs_chts24": 1.0})
+    assert ratios["ste_2of4_row"] == {"vs_dense": pytest.approx(1.3), "vs_chts24": None}
+    assert ratios["dense_adamw"] == {"vs_dense": pytest.approx(1.0), "vs_chts24": None}
+    assert ratios["cast_1of4_row"] == {"vs_dense": None, "vs_chts24": None}

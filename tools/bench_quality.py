@@ -1,0 +1,426 @@
+"""Quality benchmark (issue 6 item 4): train several methods on the same text, rank them by validation PPL.
+
+    python tools/bench_quality.py --data data/pydocs --methods dense_adamw,chts24_1of4_row,chtsnm_1of4_row \\
+        --model small --steps 1500 --json runs/quality/quality.json --plot runs/quality/quality.png \\
+        [--lr-sweep chtsnm_1of4_row] [--force] [--nproc 1] [--eval-points 10] [--out-root runs/quality]
+
+Every method is one run of launch/pretrain.py in a subprocess (plain `python` for one process, the `deepspeed`
+launcher for --nproc N), all with the same model, seed, data order and token budget: the global batch
+(--micro-batch sequences of --seq-len tokens, split over the ranks) and the step count are shared, so the
+sampler hands every method the same samples in the same order (distsparse/data/sampler.py). Validation PPL is
+token-weighted (the trainer's `loss/val_ppl`), evaluated every steps // K steps and at the last step, so every
+method has its evaluation points at the same token counts. The curve is read back from the run's TensorBoard
+events; the final numbers from its result.json.
+
+The table ranks the methods by final PPL, with the ratio to `dense_adamw` and to the CHTs24 run of the same
+sparsity and layout (`chts24_{N}of{M}_{row|block}`, parsed from the preset name's suffix), where present.
+
+Resumable per method: the JSON is rewritten atomically after every method, and a method that already has a
+result there is skipped unless --force, so a long comparison can run in the background in parts (results of
+a JSON written under another comparison config are refused, not mixed). A method whose run failed is recorded
+with "skipped": reason, the comparison goes on, and the next invocation retries it.
+
+LR sweep (--lr-sweep): for the named methods, three short runs at 0.5x, 1x and 2x of both learning rates (the
+preset's backbone `method.lr` and the dense-side `train.lr`, scaled together) on 1/4 of the steps (with the
+LR schedule compressed to that length), then the full run at the scale with the lowest final PPL. The JSON
+records the chosen LRs and every sweep point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchlib import machine_info, print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE_DENSE = "dense_adamw"
+LR_SCALES = (0.5, 1.0, 2.0)
+SWEEP_STEP_FRACTION = 4          # sweep runs train steps // 4 steps
+_SPARSITY_SUFFIX = re.compile(r"_(\d+)of(\d+)_(row|block)$")
+# Settings that make two results comparable; a JSON written under other values is refused, not extended.
+COMPARED_KEYS = ("data", "model", "steps", "micro_batch", "seq_len", "eval_interval", "eval_samples", "seed",
+                 "warmup_steps", "ds_config", "overrides")
+LOG_TAIL_LINES = 30              # lines of a failed run's output kept for its "skipped" reason
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="prepared data directory (data_prep; its vocab sizes the model)")
+    p.add_argument("--methods", required=True, help="comma-separated method presets (configs/method/*.yaml)")
+    p.add_argument("--model", default="small", help="model preset (configs/model/*.yaml; default small)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps per method")
+    p.add_argument("--micro-batch", type=int, default=8,
+                   help="sequences per optimizer step over all ranks (default 8; each rank takes 1/nproc)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--eval-points", type=int, default=10,
+                   help="K: evaluate every steps // K steps and at the last step (default 10)")
+    p.add_argument("--eval-samples", type=int, default=256,
+                   help="validation sequences per evaluation, 0 for all (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="LR warmup steps (default: the trainer's train.warmup_steps)")
+    p.add_argument("--lr-sweep", default="", metavar="METHOD,...",
+                   help="methods to tune first: 3 runs at 0.5x, 1x, 2x of the preset's backbone lr (method.lr) "
+                        "and of the dense-side lr (train.lr), scaled together, each on steps // 4 steps; the "
+                        "full run then uses the scale with the lowest final PPL")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for every run (repeatable), e.g. --set train.grad_clip=0.5")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks per run (default 1: plain python; N > 1 uses the deepspeed launcher)")
+    p.add_argument("--ds-config", default="configs/ds/zero2.json",
+                   help="DeepSpeed JSON, relative to the repository root (default ZeRO-2)")
+    p.add_argument("--out-root", default="runs/quality",
+                   help="run directories go to OUT_ROOT/METHOD/{full,sweep_x0.5,...} (default runs/quality)")
+    p.add_argument("--json", required=True, metavar="PATH", help="results JSON (read first: finished methods skip)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of validation PPL against training tokens")
+    p.add_argument("--force", action="store_true", help="rerun methods that already have a result in the JSON")
+    args = p.parse_args(argv)
+    args.methods = _split_names(args.methods)
+    args.lr_sweep = _split_names(args.lr_sweep)
+    args.out_root = str(Path(args.out_root).resolve())   # the subprocess runs in the repository root
+    _check_args(args)
+    return args
+
+
+def _split_names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.methods:
+        raise ValueError("--methods: got no method; allowed: comma-separated presets of configs/method/")
+    if len(set(args.methods)) != len(args.methods):
+        raise ValueError(f"--methods: got {','.join(args.methods)}; allowed: each method once")
+    unknown = [m for m in args.lr_sweep if m not in args.methods]
+    if unknown:
+        raise ValueError(f"--lr-sweep: got {','.join(unknown)}; allowed: methods of --methods "
+                         f"({','.join(args.methods)})")
+    for key in ("steps", "micro_batch", "seq_len", "eval_points", "nproc"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"--{key.replace('_', '-')}: got {getattr(args, key)}; allowed: >= 1")
+    if args.eval_samples < 0:
+        raise ValueError(f"--eval-samples: got {args.eval_samples}; allowed: >= 0 (0: every validation sequence)")
+    if args.eval_points > args.steps:
+        raise ValueError(f"--eval-points: got {args.eval_points}; allowed: <= --steps ({args.steps})")
+    if args.micro_batch % args.nproc:
+        raise ValueError(f"--micro-batch: got {args.micro_batch} with --nproc {args.nproc}; allowed: a multiple "
+                         f"of --nproc (each rank takes micro_batch / nproc sequences)")
+    if args.lr_sweep and args.steps < SWEEP_STEP_FRACTION:
+        raise ValueError(f"--steps: got {args.steps} with --lr-sweep; allowed: >= {SWEEP_STEP_FRACTION} "
+                         f"(sweep runs train steps // {SWEEP_STEP_FRACTION})")
+    if not (Path(args.data) / "meta.json").exists():
+        raise ValueError(f"--data: got {args.data!r}; no meta.json there (prepare it with python -m "
+                         f"data_prep.prepare --out {args.data} ...)")
+
+
+# ---- one training run ------------------------------------------------------------------------------------
+
+@dataclass
+class RunSpec:
+    """One launch/pretrain.py run: the overrides that differ between runs of a comparison."""
+
+    label: str                  # shown before every log line, e.g. "chts24_1of4_row x0.5"
+    method: str
+    steps: int
+    eval_interval: int
+    lr: float                   # method.lr (backbone)
+    dense_lr: float             # train.lr (DeepSpeed side)
+    out_dir: Path
+
+
+@dataclass
+class RunOutcome:
+    final_ppl: float | None
+    final_val_loss: float | None
+    final_train_loss: float | None
+    curve: list[list[float]]    # [[tokens, ppl], ...]
+    skipped: str | None         # why the run gave no usable result; None when it did
+    wall_s: float
+
+
+def base_overrides(args: argparse.Namespace) -> list[str]:
+    """Overrides shared by every run of the comparison (the caller's --set last, so they win)."""
+    out = [f"model.preset={args.model}", f"data.dir={Path(args.data).resolve()}", f"data.seq_len={args.seq_len}",
+           f"train.micro_batch={args.micro_batch // args.nproc}", "train.grad_accum=1", f"train.seed={args.seed}",
+           f"train.eval_samples={args.eval_samples}"]
+    if args.warmup_steps is not None:
+        out.append(f"train.warmup_steps={args.warmup_steps}")
+    return out + list(args.overrides)
+
+
+def preset_lrs(method: str, overrides: list[str]) -> tuple[float, float]:
+    """(method.lr, train.lr) of `method` under the comparison's overrides; raises on an unknown preset."""
+    from distsparse.config import load_config
+    cfg = load_config(None, [*overrides, f"method.preset={method}"])
+    return cfg.method.lr, cfg.train.lr
+
+
+def run_command(args: argparse.Namespace, run: RunSpec) -> list[str]:
+    overrides = [*base_overrides(args), f"method.preset={run.method}", f"method.lr={run.lr!r}",
+                 f"train.lr={run.dense_lr!r}", f"train.steps={run.steps}",
+                 f"train.eval_interval={run.eval_interval}", f"train.out_dir={run.out_dir}"]
+    entry = [str(ROOT / "launch" / "pretrain.py"), "--ds_config", str(ROOT / args.ds_config)]
+    if args.nproc == 1:
+        return [sys.executable, *entry, *overrides]
+    launcher = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or shutil.which("deepspeed")
+    if launcher is None:
+        raise ValueError(f"--nproc: got {args.nproc}; the deepspeed launcher is not installed next to "
+                         f"{sys.executable} nor on PATH; allowed: 1 without it")
+    return [launcher, "--num_gpus", str(args.nproc), "--master_port", str(_free_port()), *entry, *overrides]
+
+
+def _free_port() -> int:
+    # The launcher's default port 29500 collides with any other DeepSpeed job on the machine.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
+    """Run one training subprocess, echoing its output; read its curve and result back."""
+    if run.out_dir.exists():
+        shutil.rmtree(run.out_dir)   # a previous attempt's event files would mix into the curve
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda_available() else "cuda")
+    env["PYTHONUNBUFFERED"] = "1"
+    tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+    start = time.perf_counter()
+    proc = subprocess.Popen(run_command(args, run), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", bufsize=1)
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            print(f"  [{run.label}] {line}", flush=True)
+        returncode = proc.wait()
+    finally:
+        if proc.poll() is None:   # interrupted: do not leave a training run behind
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    wall_s = time.perf_counter() - start
+    tokens_per_step = args.micro_batch * args.seq_len
+    curve = read_curve(run.out_dir / "tb", tokens_per_step) if (run.out_dir / "tb").exists() else []
+    if returncode != 0:
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        return RunOutcome(None, None, None, curve, f"exit code {returncode}: {last.strip()[:300]}", wall_s)
+    result_path = run.out_dir / "result.json"
+    if not result_path.exists():
+        return RunOutcome(None, None, None, curve, f"no {result_path} after exit code 0", wall_s)
+    result = json.loads(result_path.read_text())
+    ppl = _finite(result["final/val_ppl"])
+    skipped = None if ppl is not None else f"non-finite final validation PPL ({result['final/val_ppl']})"
+    return RunOutcome(ppl, _finite(result["final/val_loss"]), _finite(result["final/train_loss"]), curve, skipped,
+                      wall_s)
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _finite(value: Any) -> float | None:
+    """JSON has no NaN: a diverged number is stored as null."""
+    return float(value) if value is not None and math.isfinite(float(value)) else None
+
+
+def read_curve(tb_dir: Path, tokens_per_step: int) -> list[list[float]]:
+    """[[tokens, val_ppl], ...] from the run's TensorBoard `loss/val_ppl` scalars, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})   # 0: keep every point
+    events.Reload()
+    if "loss/val_ppl" not in events.Tags()["scalars"]:
+        return []
+    by_step = {e.step: e.value for e in events.Scalars("loss/val_ppl")}   # a reloaded step keeps its last value
+    return [[step * tokens_per_step, _finite(by_step[step])] for step in sorted(by_step)]
+
+
+# ---- one method ------------------------------------------------------------------------------------------
+
+def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, Any]:
+    """Train `method` (after its LR sweep, if asked) and return its JSON entry."""
+    lr, dense_lr = preset_lrs(method, base_overrides(args))
+    method_dir = Path(args.out_root) / method
+    entry: dict[str, Any] = {}
+    scale = 1.0
+    if method in args.lr_sweep:
+        sweep_steps = args.steps // SWEEP_STEP_FRACTION
+        points = []
+        for i, s in enumerate(LR_SCALES, start=1):
+            print(f"{label}: LR sweep {i}/{len(LR_SCALES)}: x{s} (method.lr {lr * s:.3g}, train.lr "
+                  f"{dense_lr * s:.3g}), {sweep_steps} steps", flush=True)
+            outcome = train(args, RunSpec(f"{method} x{s}", method, sweep_steps, sweep_steps, lr * s, dense_lr * s,
+                                          method_dir / f"sweep_x{s}"))
+            points.append({"scale": s, "lr": lr * s, "dense_lr": dense_lr * s, "final_ppl": outcome.final_ppl,
+                           "skipped": outcome.skipped})
+        entry["lr_sweep"] = {"steps": sweep_steps, "points": points}
+        finished = [p for p in points if p["final_ppl"] is not None]
+        if not finished:
+            return {"final_ppl": None, "curve": [], "lr": lr, "dense_lr": dense_lr,
+                    "skipped": "LR sweep: no sweep run finished", **entry}
+        scale = min(finished, key=lambda p: p["final_ppl"])["scale"]
+        entry["lr_sweep"]["chosen_scale"] = scale
+        print(f"{label}: LR sweep chose x{scale}", flush=True)
+    eval_interval = args.steps // args.eval_points
+    outcome = train(args, RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * scale,
+                                  method_dir / "full"))
+    return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": lr * scale, "dense_lr": dense_lr * scale,
+            "skipped": outcome.skipped, "final_val_loss": outcome.final_val_loss,
+            "final_train_loss": outcome.final_train_loss, "wall_s": round(outcome.wall_s, 1), "nproc": args.nproc,
+            "run_dir": str(method_dir / "full"), **entry}
+
+
+# ---- comparison ------------------------------------------------------------------------------------------
+
+def comparison_config(args: argparse.Namespace, meta: dict) -> dict[str, Any]:
+    eval_interval = args.steps // args.eval_points
+    return {
+        "data": str(Path(args.data).resolve()), "data_source": meta.get("source"), "vocab_size": meta["vocab_size"],
+        "model": args.model, "steps": args.steps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+        "tokens_per_step": args.micro_batch * args.seq_len,
+        "total_tokens": args.steps * args.micro_batch * args.seq_len,
+        "eval_interval": eval_interval, "eval_samples": args.eval_samples, "seed": args.seed,
+        "warmup_steps": args.warmup_steps, "ds_config": args.ds_config, "overrides": list(args.overrides),
+        "nproc": args.nproc, "lr_sweep": {"scales": list(LR_SCALES), "steps": args.steps // SWEEP_STEP_FRACTION},
+    }
+
+
+def load_previous(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """Methods of an earlier invocation with the same comparison config; refuse a JSON of another one."""
+    if not path.exists():
+        return {}
+    previous = json.loads(path.read_text())
+    differ = [f"{k} ({previous['config'].get(k)!r} there, {config[k]!r} now)" for k in COMPARED_KEYS
+              if previous["config"].get(k) != config[k]]
+    if differ:
+        raise ValueError(f"--json: {path} holds a comparison with other settings: {'; '.join(differ)}; "
+                         "allowed: the same settings, or another --json path")
+    return previous["methods"]
+
+
+def sparsity_suffix(method: str) -> str | None:
+    """`_1of4_row` of `chtsnm_1of4_row`; None for a dense preset."""
+    match = _SPARSITY_SUFFIX.search(method)
+    return match.group(0) if match else None
+
+
+def reference_ratios(methods: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Per method: final PPL over dense_adamw's and over chts24 of the same sparsity and layout (None if absent)."""
+    def ppl(name: str | None) -> float | None:
+        entry = methods.get(name) if name else None
+        return entry["final_ppl"] if entry else None
+
+    out = {}
+    for name, entry in methods.items():
+        own, dense = entry["final_ppl"], ppl(REFERENCE_DENSE)
+        suffix = sparsity_suffix(name)
+        chts = ppl(f"chts24{suffix}") if suffix else None
+        out[name] = {"vs_dense": own / dense if own and dense else None,
+                     "vs_chts24": own / chts if own and chts else None}
+    return out
+
+
+def print_results(methods: dict[str, dict]) -> None:
+    ratios = reference_ratios(methods)
+    rows = []
+    ranked = sorted(methods, key=lambda m: (methods[m]["final_ppl"] is None, methods[m]["final_ppl"] or 0.0))
+    for name in ranked:
+        entry = methods[name]
+        if entry["final_ppl"] is None:
+            rows.append([name, "-", "-", "-", f"{entry['lr']:.3g}", f"skipped: {entry['skipped']}"[:100]])
+            continue
+        rows.append([name, f"{entry['final_ppl']:.2f}",
+                     *(f"{ratios[name][k]:.3f}" if ratios[name][k] is not None else "-"
+                       for k in ("vs_dense", "vs_chts24")), f"{entry['lr']:.3g}", ""])
+    print_table(["method", "final PPL", f"/ {REFERENCE_DENSE}", "/ chts24 same N:M", "lr", "note"], rows)
+
+
+def plot(path: Path, methods: dict[str, dict], config: dict[str, Any]) -> None:
+    """Validation PPL against training tokens, one line per method with a curve; written atomically."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, entry in methods.items():
+        points = [(t, p) for t, p in entry["curve"] if p is not None]
+        if points:
+            final = f"{entry['final_ppl']:.2f}" if entry["final_ppl"] is not None else "failed"
+            ax.plot(*zip(*points), marker="o", markersize=3, label=f"{name} ({final})")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation PPL (token-weighted)")
+    ax.set_yscale("log")
+    ax.set_title(f"model {config['model']}, {config['steps']} steps x {config['tokens_per_step']} tokens, "
+                 f"data {Path(config['data']).name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    # Unwinds through train()'s finally, which stops the running subprocess.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        meta = json.loads((Path(args.data) / "meta.json").read_text())
+        config = comparison_config(args, meta)
+        json_path = Path(args.json)
+        methods = load_previous(json_path, config)
+        for method in args.methods:   # unknown presets fail before any training
+            preset_lrs(method, base_overrides(args))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    previous_handler = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    try:
+        for i, method in enumerate(args.methods, start=1):
+            label = f"[{i}/{len(args.methods)}] {method}"
+            previous = methods.get(method)
+            if previous is not None and previous["skipped"] is None and not args.force:
+                print(f"{label}: in {json_path} already (final PPL {previous['final_ppl']:.2f}); skipped "
+                      "(--force reruns it)", flush=True)
+                continue
+            print(f"{label}: training", flush=True)
+            entry = methods[method] = run_method(args, method, label)
+            status = f"final PPL {entry['final_ppl']:.2f}" if entry["skipped"] is None else \
+                f"skipped: {entry['skipped']}"
+            print(f"{label}: {status}", flush=True)
+            write_json(json_path, {"machine": machine_info(), "config": config, "methods": methods})
+            if args.plot:
+                plot(Path(args.plot), methods, config)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    if args.plot:   # also after an invocation that skipped every method
+        plot(Path(args.plot), methods, config)
+    print_results(methods)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
