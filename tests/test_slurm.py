@@ -1,0 +1,150 @@
+"""launch/slurm.py (issue 7 item 5): a job run through submitit's local executor is interrupted by the timeout
+signal, checkpoints, is requeued by submitit and resumes to the end; cluster options reach the sbatch file;
+bad arguments are refused before anything is submitted.
+
+submitit's `LocalJob._interrupt()` cannot be used: it sends USR2 to the local controller process, which has no
+handler for it and dies (the tasks are orphaned, nothing is requeued). The test sends USR2 to the rank-0 task
+itself, which is what SLURM does for submitit (`--signal=USR2@signal_delay_s`) and what the local controller
+does to its tasks `signal_delay_s` before the time limit.
+"""
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from distsparse.train.checkpoint import CheckpointManager
+from launch import slurm
+from synthetic_data import make_data_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 40
+TRAIN = ["--ds_config", str(ROOT / "configs/ds/zero2.json"), "model.preset=tiny", "data.seq_len=32",
+         "train.dtype=fp32", f"train.steps={STEPS}", "train.micro_batch=2", "train.eval_interval=1000",
+         "train.eval_samples=8", "train.log_interval=1", "method.preset=chtsnm_nobranch_1of4_row",
+         "method.topology.update_interval=5"]
+DEADLINE_S = 600
+
+
+def _read(path) -> str:
+    return Path(path).read_text() if Path(path).exists() else ""
+
+
+def _wait_for(condition, job, what: str) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while not condition():
+        if job.done():
+            raise AssertionError(f"the job ended while waiting for {what}:\n{_read(job.paths.stderr)[-3000:]}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _task_pid(job, rank: int) -> int:
+    """The pid of one task of a local job: a child of the controller with that SUBMITIT_LOCAL_GLOBALID."""
+    controller = job._process.pid
+    found: list[int] = []
+
+    def look() -> bool:
+        for child in Path(f"/proc/{controller}/task/{controller}/children").read_text().split():
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in environ:
+                found.append(int(child))
+                return True
+        return False
+    _wait_for(look, job, f"task {rank} to start")
+    return found[0]
+
+
+def _loss_steps(out_dir: Path) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ea = EventAccumulator(str(out_dir / "tb"))
+    ea.Reload()
+    return [e.step for e in ea.Scalars("loss/train")]
+
+
+def test_local_job_interrupted_by_the_timeout_signal_is_requeued_and_resumes_to_the_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    data = make_data_dir(tmp_path / "data")
+    out = tmp_path / "run"
+    job = slurm.submit(["--executor", "local", "--tasks-per-node", "2", "--time", "10",
+                        "--output-dir", str(tmp_path / "submitit"), *TRAIN, f"data.dir={data}", f"train.out_dir={out}"])
+    try:
+        rank0 = _task_pid(job, 0)
+        _wait_for(lambda: "step 2/" in _read(job.paths.stderr), job, "training to start")
+        os.kill(rank0, signal.SIGUSR2)   # to rank 0 only, as SLURM and submitit do
+        end = time.monotonic() + DEADLINE_S
+        while not job.done() and time.monotonic() < end:
+            time.sleep(0.2)
+        results = job.results()
+    finally:
+        if not job.done():
+            job.cancel()
+    log = _read(job.paths.stderr)
+    assert "handing the requeue to submitit" in log
+    assert "Requeued job" in _read(job.paths.stdout)   # submitit's own requeue path (local: exit code 144)
+    resumed = re.search(r"resumed from (\S+) at step (\d+) \(saved on 2 ranks, now 2\)", log)
+    assert resumed, log[-3000:]
+    k = int(resumed.group(2))
+    assert 2 <= k < STEPS and Path(resumed.group(1)).name == f"step{k:08d}"
+    # Both incarnations together logged every step once: the counter continued from the checkpoint.
+    assert _loss_steps(out) == list(range(1, STEPS + 1))
+    assert [r["step"] for r in results] == [STEPS, STEPS] and not any(r["preempted"] for r in results)
+    final = CheckpointManager(out / "checkpoints").find("auto")
+    assert final.manifest["step"] == STEPS and final.manifest["world_size"] == 2
+
+
+@pytest.mark.parametrize("text, minutes", [("90", 90), ("1:30", 2), ("24:00:00", 1440), ("2-00", 2880),
+                                           ("1-02:30", 1590), ("0-00:00:61", 2)])
+def test_time_limits_in_slurm_forms_convert_to_whole_minutes(text, minutes):
+    assert slurm.parse_time(text) == minutes
+
+
+def test_sbatch_file_carries_the_cluster_options(tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\n")
+    (fake / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")   # submitit looks for srun
+    args, _ = slurm.parse_args(["--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj",
+                                "--qos", "high", "--time", "1-00:00:00", "--job-name", "llama60m", "--cpus-per-task",
+                                "10", "--output-dir", str(tmp_path / "sub")])
+    text = slurm.make_executor(args)._make_submission_file_text("CMD", "uid")
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=gpu", "--account=proj",
+                 "--qos=high", "--time=1440", "--job-name=llama60m", "--cpus-per-task=10", "--signal=USR2@120"):
+        assert f"#SBATCH {line}\n" in text, (line, text)
+
+
+def test_bad_arguments_are_refused_before_anything_is_submitted(tmp_path, capsys):
+    data = make_data_dir(tmp_path / "data")
+    sub = tmp_path / "sub"
+    base = ["--executor", "local", "--output-dir", str(sub), *TRAIN, f"data.dir={data}"]
+    cases = [(["checkpoint.resume=/elsewhere/step00000010"], "checkpoint.resume: got '/elsewhere/step00000010'"),
+             (["train.stepz=3"], "unknown config key 'train.stepz'"),
+             (["--nodes", "2"], "--nodes: got 2 with --executor local"),
+             (["--time", "soon"], "--time: got 'soon'")]
+    for extra, message in cases:
+        assert slurm.main(base + extra) == 2
+        assert message in capsys.readouterr().err
+    assert not sub.exists()
+
+
+# research/pretraining_ecosystem.md s1.2: steps (warmup) per size at global batch 512.
+RECIPE = {"60m": (10000, 1000), "130m": (20000, 2000), "350m": (60000, 6000), "1b": (100000, 10000)}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs/experiments").glob("paper_*.yaml")), ids=lambda p: p.stem)
+def test_paper_configs_carry_the_c4_recipe_at_global_batch_512(path):
+    from distsparse.config import load_config
+    cfg = load_config(path)
+    assert path.stem.startswith(f"paper_{cfg.model.preset}_{cfg.method.name}")
+    assert (cfg.train.steps, cfg.train.warmup_steps) == RECIPE[cfg.model.preset]
+    assert (cfg.data.seq_len, cfg.train.min_lr_ratio, cfg.model.vocab_size) == (256, 0.1, 32000)
+    world = int(re.search(r"World size assumed: (\d+) GPUs", path.read_text()).group(1))
+    assert cfg.train.micro_batch * cfg.train.grad_accum * world == 512
