@@ -191,9 +191,14 @@ class Trainer:
         manifest = {"consumed_samples": self.sampler.state_dict()["consumed_samples"],
                     "config": config_to_dict(self.cfg), "tokenizer_sha256": self.meta.get("tokenizer_sha256", ""),
                     "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
-                    "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype}
+                    "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype,
+                    "vocab_size": self.model.config.vocab_size}
+        # Permutation state (theta, hardening) also lives in DeepSpeed's module file; the registry copy lets
+        # export and consolidation read it from project files alone.
+        registry = {name: perm for name, perm in self.permutations.perms}
         path = self.checkpoints.save(self.step, ds_engine=self.engine, matrix_engine=self.matrix, manifest=manifest,
-                                     dense_state=gather_dense_state(self.engine, self.model, self.rank))
+                                     dense_state=gather_dense_state(self.engine, self.model, self.rank),
+                                     registry=registry)
         log.info("saved checkpoint %s", path)
         return path
 
