@@ -30,3 +30,14 @@ def perplexity(total_loss: float, num_tokens: int) -> tuple[float, float]:
     """(mean loss, PPL) from summed losses; PPL is capped at exp(50) to stay finite in logs."""
     mean = total_loss / max(1, num_tokens)
     return mean, math.exp(min(mean, 50.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m distsparse.eval.perplexity CKPT_OR_HF_DIR --data DIR ...`; the command lives in cli.py, which
+    imports the model zoo and transformers that the functions above do not need."""
+    from distsparse.eval.cli import perplexity_main
+    return perplexity_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
