@@ -73,7 +73,7 @@ def test_preempted_run_resumes_bit_for_bit(ranks2, data_dir, tmp_path):
 
 
 def test_elastic_resume_two_to_one_and_one_to_two(ranks2, data_dir, tmp_path):
-    two = ranks2.run(_train, data_dir, str(tmp_path / "two"), [], 4, 0)
+    ranks2.run(_train, data_dir, str(tmp_path / "two"), [], 4, 0)   # preempted at step 4
     ref = ranks2.run(_train, data_dir, str(tmp_path / "ref"), [])
     # 2 -> 1: the same global batch (micro 2 x accum 2 x 1 rank == micro 2 x accum 1 x 2 ranks).
     one = _train_single(data_dir, str(tmp_path / "two"), ["checkpoint.resume=auto", "train.grad_accum=2"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,65 +36,10 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from benchlib import print_table
-from distsparse.config import Config, build_dataclass
+from distsparse.eval.checkpoint_model import load_trained_model
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.dense_latent import DenseLatentLinear
-from distsparse.models import backbone_modules, backbone_param, build_model
-from distsparse.train.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
-
-DENSE_STATE = "dense_state.safetensors"
-EMBEDDING_MASTER = "model.embed_tokens.weight::master"
-
-
-@dataclass
-class TrainedModel:
-    model: nn.Module               # the training model (build_model), fp32, eval mode, checkpoint state loaded
-    cfg: Config                    # the run's resolved config, from the manifest
-    checkpoint: LoadedCheckpoint   # path and manifest
-    vocab_size: int
-
-
-def find_checkpoint(path: str | Path) -> LoadedCheckpoint:
-    """A verified checkpoint: `path` itself when it holds manifest.json, else the newest complete one under it."""
-    path = Path(path)
-    if (path / "manifest.json").exists():
-        return CheckpointManager(path.parent).find(str(path))
-    if not path.is_dir():
-        raise ValueError(f"CKPT: got {str(path)!r}; allowed: a checkpoint directory (holding manifest.json) or a "
-                         f"checkpoint root (holding `latest` and step* directories)")
-    found = CheckpointManager(path).find("auto")
-    if found is None:
-        raise ValueError(f"CKPT: got {str(path)!r}; no complete checkpoint under it")
-    return found
-
-
-@torch.no_grad()
-def load_trained_model(path: str | Path) -> TrainedModel:
-    """The training model of a checkpoint, rebuilt from its config and loaded from the project's fp32 files."""
-    ckpt = find_checkpoint(path)
-    manager = CheckpointManager(ckpt.path.parent)
-    cfg = build_dataclass(Config, ckpt.manifest["config"], "")
-    dense = manager.load_tensors(ckpt, DENSE_STATE)
-    # The manifest records no vocab (it may come from the data's meta.json): the embedding's rows are it.
-    vocab_size = dense[EMBEDDING_MASTER].shape[0]
-    model = build_model(cfg.model, cfg.method, vocab_size, cfg.train.seed)
-    backbone = backbone_modules(model)
-    states = manager.load_backbone(ckpt, list(backbone))
-    for name, core in backbone.items():
-        state = states[name]
-        if isinstance(core, NMSparseLinear):
-            core.set_codes(state["codes"])   # codes first: they decide where each value sits
-        backbone_param(core).copy_(state["master"])
-    backbone_ids = {id(backbone_param(core)) for core in backbone.values()}
-    for name, param in model.named_parameters():
-        if id(param) in backbone_ids:
-            continue
-        key = f"{name}::master"
-        if key not in dense:
-            raise CheckpointError(f"checkpoint file {ckpt.path / DENSE_STATE} has no {key!r}; the checkpoint does "
-                                  f"not match the model its manifest describes")
-        param.copy_(dense[key])
-    return TrainedModel(model.eval(), cfg, ckpt, vocab_size)
+from distsparse.models import backbone_modules
 
 
 def decompressed_weight(core: nn.Module) -> torch.Tensor:

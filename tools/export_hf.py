@@ -16,10 +16,10 @@ OUT holds what `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.fr
                                      Absent for dense models.
 
 Input-dependent branches (CoMoLoRA `como`, `prod_gate`) do not fold into a weight: they are refused with the branch
-named (no trust_remote_code variant); evaluate such models in memory. Input permutations are refused too: their
-hardening state is not in the project's checkpoint files.
+named (no trust_remote_code variant); evaluate such models in memory. Input permutations are refused too: folding
+them into neighbouring layers at export is not implemented yet (distsparse/layers/fold.py is the place).
 
-The model is rebuilt from the manifest's config and loaded from the project's fp32 files (tools/consolidate.py,
+The model is rebuilt from the manifest's config and loaded from the project's fp32 files (distsparse.eval.checkpoint_model,
 `load_trained_model`); no DeepSpeed file is unpickled. DIR defaults to the run's `data.dir`; its tokenizer must be
 the one the run trained with (the manifest's `tokenizer_sha256`).
 """
@@ -38,7 +38,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from benchlib import print_table
-from consolidate import TrainedModel, decompressed_weight, load_trained_model
+from consolidate import decompressed_weight
+from distsparse.eval.checkpoint_model import TrainedModel, load_trained_model
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.branches import FOLDABLE_KINDS, foldable
 from distsparse.layers.dense_latent import DenseLatentLinear
@@ -61,8 +62,9 @@ def check_exportable(trained: TrainedModel) -> None:
     for name in projection_names(trained.model):
         outer = trained.model.get_submodule(name)
         if isinstance(outer, SparseProjection) and outer.permutation is not None:
-            raise ValueError(f"{name}: the model has input permutations; export supports none (their hardening "
-                             f"state is not in the project's checkpoint files)")
+            raise ValueError(f"{name}: the model has input permutations; export does not fold them into a plain "
+                             f"LlamaForCausalLM yet (method.permutation.mode: got "
+                             f"{trained.cfg.method.permutation.mode!r}; allowed for export: none)")
 
 
 @torch.no_grad()

@@ -29,15 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from distsparse.config import Config, build_dataclass
 from distsparse.data import TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.perplexity import loss_sums, perplexity
-from distsparse.layers import NMSparseLinear
-from distsparse.models import backbone_modules, backbone_param, build_model
-from distsparse.train.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
-
-DENSE_STATE = "dense_state.safetensors"
-EMBEDDING = "model.embed_tokens.weight"
+from distsparse.eval.checkpoint_model import load_trained_model
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -55,50 +49,14 @@ def is_checkpoint(path: Path) -> bool:
     return (path / "manifest.json").is_file() or (path / "latest").is_file()
 
 
-def find_checkpoint(path: Path) -> LoadedCheckpoint:
-    """A verified checkpoint: `path` itself when it holds manifest.json, else the newest complete one under it."""
-    if (path / "manifest.json").is_file():
-        return CheckpointManager(path.parent).find(str(path))
-    found = CheckpointManager(path).find("auto")
-    if found is None:
-        raise ValueError(f"CKPT_OR_HF_DIR: got {str(path)!r}; no complete checkpoint under it")
-    return found
-
-
-@torch.no_grad()
 def load_checkpoint_model(path: str | Path) -> EvalModel:
-    """The training model of a project checkpoint (module docstring)."""
-    ckpt = find_checkpoint(Path(path))
-    cfg = build_dataclass(Config, ckpt.manifest["config"], "")
-    if cfg.method.permutation.mode == "learned":
-        raise ValueError(f"method.permutation.mode: got 'learned' in {ckpt.path}; the hardening state of learned "
-                         "permutations is only in DeepSpeed's module file, which is not loaded here; allowed: none, "
-                         "identity, random (rebuilt from the seed). Use the run's own validation PPL instead")
-    manager = CheckpointManager(ckpt.path.parent)
-    dense = manager.load_tensors(ckpt, DENSE_STATE)
-    if f"{EMBEDDING}::master" not in dense:
-        raise CheckpointError(f"checkpoint file {ckpt.path / DENSE_STATE} has no '{EMBEDDING}::master'")
-    # The manifest records no vocabulary (it may come from the data's meta.json): the embedding's rows are it.
-    vocab_size = dense[f"{EMBEDDING}::master"].shape[0]
-    model = build_model(cfg.model, cfg.method, vocab_size, cfg.train.seed)
-    backbone = backbone_modules(model)
-    states = manager.load_backbone(ckpt, sorted(backbone))
-    for name, core in backbone.items():
-        if isinstance(core, NMSparseLinear):
-            core.set_codes(states[name]["codes"])   # codes first: they decide where each value sits
-        backbone_param(core).copy_(states[name]["master"].view_as(backbone_param(core)))
-    backbone_ids = {id(backbone_param(core)) for core in backbone.values()}
-    for name, param in model.named_parameters():
-        if id(param) in backbone_ids:
-            continue
-        key = f"{name}::master"
-        if key not in dense:
-            raise CheckpointError(f"checkpoint file {ckpt.path / DENSE_STATE} has no {key!r}; the checkpoint does not "
-                                  "match the model its manifest describes")
-        param.copy_(dense[key].view_as(param))
+    """The training model of a project checkpoint (distsparse.eval.checkpoint_model)."""
+    trained = load_trained_model(path)
+    cfg = trained.cfg
     tokenizer_dir = Path(cfg.data.dir) / "tokenizer"
-    return EvalModel(model.eval(), "checkpoint", ckpt.path, cfg.data.seq_len,
-                     tokenizer_dir if tokenizer_dir.is_dir() else None, ckpt.manifest.get("tokenizer_sha256", ""))
+    return EvalModel(trained.model, "checkpoint", trained.checkpoint.path, cfg.data.seq_len,
+                     tokenizer_dir if tokenizer_dir.is_dir() else None,
+                     trained.checkpoint.manifest.get("tokenizer_sha256", ""))
 
 
 def load_hf_model(path: str | Path) -> EvalModel:

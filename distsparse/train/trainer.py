@@ -235,7 +235,7 @@ class Trainer:
         tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * self.world_size * cfg.data.seq_len
         micro_batches = iter(self.sampler)
         start = time.perf_counter()
-        last_log, metrics, val_loss, val_ppl = start, {}, float("nan"), float("nan")
+        metrics, val_loss, val_ppl = {}, float("nan"), float("nan")
         preempted = False
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
