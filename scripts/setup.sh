@@ -30,5 +30,5 @@ if ! python -c "import torch" >/dev/null 2>&1; then
     fi
   fi
 fi
-pip install -q -e ".[dev]"
+pip install -q -e ".[dev,eval]"
 python -c "import torch, deepspeed, transformers; print(f'setup: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')"

@@ -42,14 +42,16 @@ has_cuda=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev
 # Only the files that hold GPU tests are collected: the others may import packages a bare GPU image lacks
 # (deepspeed). pytest's exit code 5 (nothing collected) counts as a failure: the marker must select tests.
 mapfile -t gpu_files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-step pytest_gpu 240 pytest_gpu.log "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+step pytest_gpu 180 pytest_gpu.log "$PY" -m pytest -m gpu -q -p no:cacheprovider \
   --junitxml="$OUT/pytest_gpu.xml" "${gpu_files[@]}"
 
 if [ "$has_cuda" = 1 ]; then
-  step bench_layer_gpu 180 bench_layer_gpu.log "$PY" tools/bench_layer.py --device cuda --dtype bf16 \
+  step bench_layer_gpu 120 bench_layer_gpu.log "$PY" tools/bench_layer.py --device cuda --dtype bf16 \
     --json "$OUT/bench_layer_gpu.json"
+  step bench_inference_gpu 120 bench_inference_gpu.log "$PY" tools/bench_inference.py --models 60m,350m \
+    --skip-csr --json "$OUT/bench_inference_gpu.json"
 else
-  echo "bench_layer_gpu skipped: no CUDA device" | tee -a "$OUT/summary.txt"
+  echo "bench_layer_gpu, bench_inference_gpu skipped: no CUDA device" | tee -a "$OUT/summary.txt"
   failed=1
 fi
 
