@@ -221,15 +221,16 @@ def test_perplexity_command_on_a_checkpoint_skips_pad_targets_in_truncate_pad_da
     assert result["ppl"] == pytest.approx(math.exp(ref_mean), rel=1e-5)
 
 
-def test_checkpoint_with_learned_permutations_is_refused_naming_the_key(checkpoint, tmp_path, capsys):
+def test_checkpoint_that_does_not_match_its_manifest_is_refused_naming_the_file(checkpoint, tmp_path, capsys):
     import shutil
     copy = tmp_path / checkpoint["path"].name
     shutil.copytree(checkpoint["path"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["config"]["method"]["permutation"]["mode"] = "learned"
+    manifest["config"]["method"]["permutation"].update(mode="learned", block_size=16)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert ppl_module.main([str(copy), "--data", checkpoint["data"]]) == 2
-    assert "method.permutation.mode: got 'learned'" in capsys.readouterr().err
+    err = capsys.readouterr().err   # the manifest now asks for permutations the saved files do not hold
+    assert "dense_state.safetensors" in err and "permutation.theta::master" in err and "does not match" in err
 
 
 # ---- zero-shot (lm-evaluation-harness) -------------------------------------------------------------------------
