@@ -17,6 +17,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module of tiny tensors: on a loaded 2-core VM a second OpenMP thread mostly
+    waits for a scheduler time slice (measured 10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks (OMP_NUM_THREADS=1) shared by every multi-rank test of the session."""

@@ -13,17 +13,9 @@ from torch.utils.checkpoint import checkpoint
 from distsparse.layers import NMLinearFunction, NMSparseLinear
 from distsparse.nm import NMSpec, decode, encode, move_slots, random_mask, slot_map
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SPECS = [NMSpec(n, 4, layout) for n in (1, 2, 3) for layout in ("row", "block")]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors gain nothing from a second thread, and on a loaded 2-core VM every parallel region can
-    # wait a scheduler time slice for it.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def dense_masked_weight(layer):

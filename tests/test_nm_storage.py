@@ -15,18 +15,10 @@ from distsparse.nm import (
     mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, slot_map,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 SPECS = [NMSpec(n, 4, layout) for n in (1, 2, 3) for layout in ("row", "block")]
 FAST = settings(max_examples=30, deadline=None)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors gain nothing from a second thread, and on a loaded 2-core VM every parallel region can
-    # wait a scheduler time slice for it.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @st.composite

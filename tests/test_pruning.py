@@ -24,6 +24,8 @@ from distsparse.pruning.learned_permutation import (
     hungarian, pruned_by_permutation, row_col_penalty, sinkhorn, surrogate_mask, to_original, to_permuted,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, NSAMPLES = 128, 64, 16
 PROJECTIONS = [name for _, names in INPUT_GROUPS for name in names]
@@ -106,15 +108,6 @@ def markov_stream(num_tokens: int, seed: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two cores shared with other jobs: a second OpenMP thread mostly waits (measured 10x slower training).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -58,22 +58,13 @@ class AdamHParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdamSHParams:
+class AdamSHParams(AdamHParams):
     """CAST's AdamS (paper App. H.3): AdamW plus an L1 decay `lambda_w` on the currently pruned coordinates of a
     dense latent weight, fed through the moments (research/permutations_pruning.md s7)."""
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
     lambda_w: float = 2e-4
 
     def __post_init__(self) -> None:
-        _check_positive("lr", self.lr)
-        _check_unit("beta1", self.beta1)
-        _check_unit("beta2", self.beta2)
-        _check_nonneg("eps", self.eps)
-        _check_nonneg("weight_decay", self.weight_decay)
+        super().__post_init__()
         _check_nonneg("lambda_w", self.lambda_w)
 
 
