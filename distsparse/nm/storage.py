@@ -153,9 +153,12 @@ def gather_kept(dense: torch.Tensor, index: torch.Tensor, kept_per_row: int) -> 
 
 
 def scatter_kept(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Dense [out, in] with `values` at a flat `kept_index` and zeros elsewhere."""
+    """Dense [out, in] with `values` at a flat `kept_index` (int64, or int32 as layers cache it) and zeros
+    elsewhere."""
     dense = values.new_zeros(shape[0] * shape[1])
-    return dense.index_copy_(0, index, values.reshape(-1)).view(shape)
+    if index.dtype == torch.int64:
+        return dense.index_copy_(0, index, values.reshape(-1)).view(shape)
+    return dense.index_put_((index,), values.reshape(-1)).view(shape)   # index_copy_ takes int64 only
 
 
 def decompress(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
