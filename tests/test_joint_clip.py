@@ -1,0 +1,129 @@
+"""Joint gradient clipping across DeepSpeed and the matrix engine (DESIGN decision 4) on 2 gloo ranks.
+
+Trainer._clip is called on a DeepSpeed ZeRO-2 engine (dense side) and a MatrixEngine (backbone) after one
+backward on rank-specific data. Its total norm must equal the norm of the mean gradient over both ranks' batches,
+computed in one process on an untouched copy of the model, and both sides must then apply the same coefficient.
+The coefficient each side applied is read back from its update: on the first step, bias-corrected Adam moves a
+weight by -lr c g / (c |g| + eps), which with eps = 1 depends on the clip c (with the default eps = 1e-8 the step
+would be lr sign(g) whatever the clip). DeepSpeed's side runs torch AdamW, the backbone the engine's `adam` rule.
+"""
+
+import copy
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from distsparse.config import load_config
+from distsparse.train.ds_config import build_ds_config
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB, EPS, LR = 97, 1.0, 1.0
+OVERRIDES = ["model.preset=tiny", "model.num_hidden_layers=1", "method.preset=chts24_1of4_row", "train.dtype=fp32",
+             f"train.lr={LR}", "train.weight_decay=0.0", "train.micro_batch=2"]
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(50 + rank))
+
+
+def _mean_gradients(model, world_size: int) -> dict[str, torch.Tensor]:
+    """float64 mean over the ranks' batches of every parameter's gradient, in this process alone."""
+    grads = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
+    for r in range(world_size):
+        model.zero_grad()
+        x = _batch(r)
+        model(input_ids=x, labels=x).loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                grads[n] += p.grad.double() / world_size
+    return grads
+
+
+def _applied_coefficient(before: dict, after: dict, grads: dict, names: set[str]) -> float:
+    """The clip coefficient c that one bias-corrected Adam step (weight decay 0) applied to `names`.
+
+    Step one moves a weight by d = -lr c g / (c |g| + eps) with g the mean gradient; with lr = eps = 1 that is
+    c (g + d |g|) = -d for every entry, solved for c by least squares over all of them.
+    """
+    num = den = 0.0
+    for name in names:
+        g, d = grads[name], (after[name] - before[name]).double()
+        a = g + d * g.abs()
+        num, den = num - float((d * a).sum()), den + float((a * a).sum())
+    return num / den
+
+
+def _clip_one_step(rank, world_size, max_norm):
+    import deepspeed
+
+    from distsparse.models import backbone_modules, backbone_param, build_model
+    from distsparse.optim import AdamHParams
+    from distsparse.optim.engine import MatrixEngine
+    from distsparse.train.trainer import Trainer, dense_side_parameters
+
+    cfg = load_config(None, OVERRIDES + [f"train.grad_clip={max_norm}"])
+    ds_config = build_ds_config(ROOT / "configs/ds/zero2.json", cfg)
+    ds_config["optimizer"]["params"]["eps"] = EPS
+    model = build_model(cfg.model, cfg.method, VOCAB, seed=0)
+    untouched = copy.deepcopy(model)
+    backbone = backbone_modules(model)
+    backbone_names = {n for n, p in model.named_parameters() if any(p is backbone_param(m) for m in backbone.values())}
+    matrix = MatrixEngine(backbone, rule="adam", hparams=AdamHParams(lr=LR, eps=EPS))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=dense_side_parameters(model, backbone),
+                                           config=ds_config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    x = _batch(rank)
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    matrix.reduce_gradients()
+    saved_clip = engine.optimizer.clip_grad
+    unclipped = Trainer._clip(SimpleNamespace(engine=engine, matrix=matrix, cfg=load_config(
+        None, OVERRIDES + ["train.grad_clip=1e9"])))
+    untouched_clip = engine.optimizer.clip_grad
+    total, coef = Trainer._clip(SimpleNamespace(engine=engine, matrix=matrix, cfg=cfg))
+    engine.step()
+    engine.optimizer.clip_grad = saved_clip
+    matrix.step(LR, coef)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    reference = _mean_gradients(untouched, world_size) if rank == 0 else None
+    return {"unclipped": unclipped, "untouched_clip": untouched_clip, "saved_clip": saved_clip, "total": total,
+            "coef": coef, "before": before, "after": after, "reference": reference, "backbone": backbone_names}
+
+
+def test_joint_clip_factor_equals_the_one_from_all_gradients_in_one_process(ranks2):
+    max_norm = 0.1
+    r0, r1 = ranks2.run(_clip_one_step, max_norm)
+    ref = r0["reference"]
+    ref_total = math.sqrt(sum(float(g.square().sum()) for g in ref.values()))
+    ref_backbone = math.sqrt(sum(float(ref[n].square().sum()) for n in r0["backbone"]))
+    ref_coef = max_norm / (ref_total + 1e-6)
+    assert ref_coef < 0.5 and ref_backbone > 0.05 * ref_total, "the clip must bind and the backbone must count"
+
+    for r in (r0, r1):
+        assert r["total"] == pytest.approx(ref_total, rel=1e-5)
+        assert r["coef"] == pytest.approx(ref_coef, rel=1e-5)
+        assert r["unclipped"] == (pytest.approx(ref_total, rel=1e-5), 1.0)
+        assert r["untouched_clip"] == r["saved_clip"] == max_norm, "no clip: DeepSpeed's threshold stays as it was"
+
+    # Each side's update reveals the coefficient it applied. A per-side clip (DeepSpeed by its own norm) would give
+    # the dense side max_norm / ||dense grads||: the last assert shows the tolerance tells the two apart.
+    dense_names = set(ref) - r0["backbone"]
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= dense_names
+    for r in (r0, r1):
+        for side in (dense_names, r0["backbone"]):
+            assert _applied_coefficient(r["before"], r["after"], ref, side) == pytest.approx(ref_coef, rel=1e-5)
+    ref_dense = math.sqrt(sum(float(ref[n].square().sum()) for n in dense_names))
+    assert max_norm / ref_dense != pytest.approx(ref_coef, rel=1e-5)
+
+
+def test_bf16_with_zero1_is_refused_by_the_deepspeed_config_builder():
+    bf16 = load_config(None, ["train.dtype=bf16"])
+    with pytest.raises(ValueError, match=r"zero_optimization.stage: got 1 with train.dtype bf16; allowed: 2"):
+        build_ds_config(ROOT / "configs/ds/zero1.json", bf16)
+    assert build_ds_config(ROOT / "configs/ds/zero2.json", bf16)["bf16"]["enabled"] is True
+    fp32 = load_config(None, ["train.dtype=fp32"])
+    assert build_ds_config(ROOT / "configs/ds/zero1.json", fp32)["zero_optimization"]["stage"] == 1
