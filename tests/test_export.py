@@ -149,3 +149,30 @@ def test_consolidated_file_holds_every_parameter_and_the_decompressed_backbone(r
         assert torch.equal(state[key], trained[key])
         expected = _reference_dense(trained[f"{projection}.core.values"], trained[key], spec)
         torch.testing.assert_close(state[f"{projection}.decompressed_weight"].double(), expected, rtol=0, atol=0)
+
+
+def test_exported_shuffled_model_folds_its_permutations_and_gives_the_training_logits(ranks2, tok_data, tools,
+                                                                                     tmp_path):
+    from safetensors.torch import load_file
+    export_hf, _ = tools
+    run = ranks2.run(_train_and_probe, tok_data, str(tmp_path / "shuffle"),
+                     ["method.permutation.mode=random", "method.permutation.block_size=16", "train.steps=1"])[0]
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj: .*residual stream.*--require-nm"):
+        export_hf.export(run["ckpt"], tmp_path / "strict", require_nm=True)
+    assert export_hf.main([run["ckpt"], str(tmp_path / "strict"), "--require-nm"]) == 2
+    out = export_hf.export(run["ckpt"], tmp_path / "hf")
+    logits, model = _hf_logits(out)
+    assert (logits - run["logits"]).abs().max() < 1e-5
+
+    side = load_file(str(out / "backbone_compressed.safetensors"))
+    permuted = {k.removesuffix(".input_perm") for k in side if k.endswith(".input_perm")}
+    # down_proj's and o_proj's gathers folded into gate/up and v rows (head_dim 16 = block size); the rest stay.
+    assert permuted == {f"model.layers.{i}.{p}" for i in range(2) for p in
+                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    spec = NMSpec.parse("1:4", "row")
+    for key in (k for k in side if k.endswith(".values")):
+        name = key.removesuffix(".values")
+        weight = model.get_submodule(name).weight.detach().double()
+        if name in permuted:
+            weight = weight[:, side[f"{name}.input_perm"]]    # the HF weight is W[:, inv]
+        torch.testing.assert_close(weight, _reference_dense(side[key], side[f"{name}.codes"], spec), rtol=0, atol=0)

@@ -1,6 +1,6 @@
-"""Export a distsparse checkpoint as a Hugging Face folder (issue 7 item 6, DESIGN decision 13).
+"""Export a distsparse checkpoint as a Hugging Face folder (issue 7 item 6, issue 8 item 3, DESIGN decision 13).
 
-    python tools/export_hf.py CKPT OUT [--data DIR]
+    python tools/export_hf.py CKPT OUT [--data DIR] [--require-nm]
 
 OUT holds what `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.from_pretrained(OUT)` load:
     config.json, model.safetensors   a plain `LlamaForCausalLM` in fp32: every projection's weight is the backbone
@@ -13,15 +13,26 @@ OUT holds what `AutoModelForCausalLM.from_pretrained(OUT)` and `AutoTokenizer.fr
                                      fp32 (values[r, j] is the j-th kept weight of row r in ascending column order)
                                      and `<projection>.codes` uint8 (row-wise: packed 2-bit positions; block-wise:
                                      one motif id per 4x4 block); the metadata names sparsity, layout and shapes.
+                                     A projection that keeps an input gather (below) also has
+                                     `<projection>.input_perm` int64 [I]: its values and codes act on x[..., input_perm].
                                      Absent for dense models.
 
+Input permutations (ShuffleSparse, y = W (x[..., perm])) must all be hard; a checkpoint with soft blocks (saved
+before T_perm) is refused with the projection named. Then, as distsparse/layers/fold.py explains:
+- folded where exact (row-wise layouts): down_proj's gather into gate_proj/up_proj output rows, o_proj's into
+  v_proj's when the permutation blocks lie within heads. Those HF weights stay N:M sparse as they are.
+- every other gather (q/k/v and gate/up, whose input is the residual stream; o_proj across heads; block-wise
+  layouts) folds into the projection's own columns: W (x[..., perm]) = W[:, inv] x with inv the inverse of perm.
+  A plain LlamaForCausalLM cannot hold a gather, but it holds W[:, inv] exactly; that weight is N:M sparse only in
+  the permuted column order (W_hf[:, perm] is the trained N:M matrix), as tools/prune_oneshot.py writes its
+  permuted projections. `--require-nm` refuses such a model instead, naming the projection and the reason.
+
 Input-dependent branches (CoMoLoRA `como`, `prod_gate`) do not fold into a weight: they are refused with the branch
-named (no trust_remote_code variant); evaluate such models in memory. Input permutations are refused too: folding
-them into neighbouring layers at export is not implemented yet (distsparse/layers/fold.py is the place).
+named (no trust_remote_code variant); evaluate such models in memory.
 
 The model is rebuilt from the manifest's config and loaded from the project's fp32 files (distsparse.eval.checkpoint_model,
-`load_trained_model`); no DeepSpeed file is unpickled. DIR defaults to the run's `data.dir`; its tokenizer must be
-the one the run trained with (the manifest's `tokenizer_sha256`).
+`load_trained_model`, permutations included); no DeepSpeed file is unpickled. DIR defaults to the run's `data.dir`; its
+tokenizer must be the one the run trained with (the manifest's `tokenizer_sha256`).
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
+from transformers import LlamaConfig
 
 from benchlib import print_table
 from consolidate import decompressed_weight
@@ -43,6 +55,8 @@ from distsparse.eval.checkpoint_model import TrainedModel, load_trained_model
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.branches import FOLDABLE_KINDS, foldable
 from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.fold import fold_permutations
+from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.projection import SparseProjection
 from distsparse.models import backbone_modules, llama_config, projection_names
 from distsparse.nm import compress
@@ -52,27 +66,54 @@ COMPRESSED_FILE = "backbone_compressed.safetensors"
 
 
 def check_exportable(trained: TrainedModel) -> None:
-    """ValueError naming what cannot become a plain LlamaForCausalLM."""
+    """ValueError naming what cannot become a plain LlamaForCausalLM: an input-dependent branch, a soft permutation."""
     kind = trained.cfg.method.branch.kind
     if not foldable(kind):
         raise ValueError(
             f"method.branch.kind: got {kind!r}; a {kind} branch is input-dependent (its output is modulated by a "
             f"function of x), so it does not fold into a LlamaForCausalLM weight. Allowed for export: "
             f"{', '.join(FOLDABLE_KINDS)}. Evaluate this model in memory (distsparse.eval) instead")
-    for name in projection_names(trained.model):
-        outer = trained.model.get_submodule(name)
+    for name, perm in input_permutations(trained.model).items():
+        if not perm.all_hard():
+            raise ValueError(
+                f"{name}: {int((~perm.hard_mask).sum())} of {perm.num_blocks} input permutation blocks are still "
+                f"soft (a doubly stochastic mix, not a gather): folded into the weight it would give W M, a dense "
+                f"matrix, not an N:M sparse one. Export a checkpoint saved at or after T_perm "
+                f"(method.permutation.t_perm_fraction), when every block is hard")
+
+
+def input_permutations(model: nn.Module) -> dict[str, BlockPermutation]:
+    """Projection name -> the input permutation it still applies (shared ones appear under each reader)."""
+    out = {}
+    for name in projection_names(model):
+        outer = model.get_submodule(name)
         if isinstance(outer, SparseProjection) and outer.permutation is not None:
-            raise ValueError(f"{name}: the model has input permutations; export does not fold them into a plain "
-                             f"LlamaForCausalLM yet (method.permutation.mode: got "
-                             f"{trained.cfg.method.permutation.mode!r}; allowed for export: none)")
+            out[name] = outer.permutation
+    return out
+
+
+def fold_for_export(model: nn.Module, require_nm: bool = False) -> dict[str, dict]:
+    """Fold every hard input permutation that folds exactly (fold_permutations, in place) and return its report;
+    with `require_nm`, ValueError naming the first projection whose gather would have to go into its own columns
+    (module docstring) before anything is changed."""
+    if require_nm and (kept := fold_permutations(model, dry_run=True)["kept"]):
+        name, why = min(kept.items())
+        raise ValueError(
+            f"{name}: its input permutation does not fold into another layer ({why}). A plain LlamaForCausalLM "
+            f"cannot hold a gather; without --require-nm the export writes W[:, inv] for it, exact but N:M "
+            f"sparse only in the permuted column order")
+    return fold_permutations(model)
 
 
 @torch.no_grad()
 def projection_weight(outer: nn.Module) -> torch.Tensor:
-    """[O, I] fp32: x W^T equals the projection's output (backbone plus folded LoRA branch)."""
+    """[O, I] fp32: x W^T equals the projection's output (backbone with its input gather in its columns, plus a
+    folded LoRA branch, which reads the unpermuted x)."""
     if not isinstance(outer, SparseProjection):
         return decompressed_weight(outer).float()
     weight = decompressed_weight(outer.core).float()
+    if outer.permutation is not None:
+        weight = weight[:, outer.permutation.inverse_indices()]    # W (x[perm]) = W[:, inv] x
     if outer.branch is not None:
         weight = weight + outer.branch.delta_weight().float()
     return weight
@@ -105,6 +146,9 @@ def compressed_backbone(trained: TrainedModel) -> tuple[dict[str, torch.Tensor],
         tensors[f"{name}.values"] = values.contiguous()
         tensors[f"{name}.codes"] = codes.contiguous()
         shapes[name] = [core.out_features, core.in_features]
+    for name, perm in input_permutations(trained.model).items():
+        if name in shapes:
+            tensors[f"{name}.input_perm"] = perm.perm_indices().contiguous()
     if not tensors:
         return {}, {}
     metadata = {"format": "distsparse-nm-v1", "sparsity": str(trained.cfg.method.sparsity),
@@ -131,10 +175,24 @@ def copy_tokenizer(trained: TrainedModel, data_dir: Path, out: Path) -> dict:
     return meta
 
 
-def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None = None) -> Path:
+def save_hf_model(model: nn.Module, config: LlamaConfig, out: Path) -> None:
+    """config.json and model.safetensors of a plain LlamaForCausalLM computing what `model` computes; fold or refuse
+    its input permutations first (check_exportable, fold_for_export)."""
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out)
+    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None = None,
+           require_nm: bool = False) -> Path:
     """Write the HF folder (module docstring); ValueError for what cannot be exported."""
     trained = load_trained_model(checkpoint)
     check_exportable(trained)
+    report = fold_for_export(trained.model, require_nm)
+    for reader, writers in sorted(report["folded"].items()):
+        log.info("%s: input permutation folded into the output rows of %s", reader, ", ".join(writers))
+    for name, why in sorted(report["kept"].items()):
+        log.info("%s: input permutation kept in its own columns (%s)", name, why)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     meta = copy_tokenizer(trained, Path(data_dir or trained.cfg.data.dir), out)
@@ -142,9 +200,7 @@ def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None 
     config.use_cache = True
     config.dtype = "float32"
     config.bos_token_id, config.eos_token_id, config.pad_token_id = meta["bos_id"], meta["eos_id"], meta["pad_id"]
-    config.architectures = ["LlamaForCausalLM"]
-    config.save_pretrained(out)
-    save_file(hf_state_dict(trained.model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_hf_model(trained.model, config, out)
     tensors, metadata = compressed_backbone(trained)
     if tensors:
         save_file(tensors, str(out / COMPRESSED_FILE), metadata=metadata)
@@ -157,6 +213,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--data", metavar="DIR",
                    help="prepared data directory holding tokenizer/ (default: the run's data.dir)")
+    p.add_argument("--require-nm", action="store_true",
+                   help="refuse a model whose input permutations do not all fold into other layers' rows, instead "
+                        "of writing those projections as W[:, inv] (N:M only in the permuted column order)")
     return p.parse_args(argv)
 
 
@@ -164,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        out = export(args.checkpoint, args.out, args.data)
+        out = export(args.checkpoint, args.out, args.data, args.require_nm)
     except ValueError as err:   # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
