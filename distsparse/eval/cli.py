@@ -11,8 +11,8 @@
   side the "<param>::master" entries of dense_state.safetensors. Only project files are read, no DeepSpeed pickle
   (DESIGN decision 6), and the model is the training model itself, so input-dependent branches (CoMoLoRA,
   Prod-Gate) evaluate as trained (DESIGN decision 13).
-Refused: learned input permutations, whose hardening state (`hard_mask`, `hard_perm`) lives only in DeepSpeed's
-module file; such runs report their validation PPL during training (`train.eval_interval`).
+Input permutations (learned or random) load with their hardening state from the checkpoint's permutation registry
+(registry.safetensors), so a ShuffleSparse model evaluates as trained.
 
 The PPL is token-weighted over every scored target token of the split (perplexity.py); in `truncate_pad` data the
 pad positions carry label -100 and are not scored (DESIGN s6 data modes).

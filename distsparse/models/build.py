@@ -161,7 +161,7 @@ def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, s
         model = LlamaForCausalLM(config)
         sparsify(model, method, seed, branch_rank(model_cfg, method))
     if model_cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 
