@@ -14,7 +14,8 @@ Generic rendering, per file (sorted by path), under a heading naming the file an
   - top-level numbers (and lists of numbers) form a "figure | value" table;
   - top-level objects whose values are scalars are grouped by their key set into one table (a column each);
   - top-level objects of objects become a two-dimensional table (inner objects flattened to dotted columns);
-  - anything deeper or mixed is flattened to dotted figures; lists of non-numbers are left out.
+  - anything deeper or mixed is flattened to dotted figures; lists of non-numbers are left out;
+  - `details` (raw measurements) is left out, and a 2-D table wider than 12 columns is only named.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADING = "## Results"
 DEFAULT_GLOBS = ("runs/bench/*.json", "runs/q/quality.json")   # benchmark JSON; the quality table if present
 SKIP_KEYS = ("machine", "config")
+DETAIL_KEYS = ("details",)   # raw measurements behind the headline figures: in the JSON, not the README
 MAX_TEXT = 80     # characters of a text value (e.g. a skip reason) kept in a cell
+MAX_COLUMNS = 12  # a wider 2-D table (per-shape timings) is named with its width, not printed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,7 +113,7 @@ def render_file(label: str, payload: dict) -> list[str]:
     groups: dict[tuple, dict[str, dict]] = {}      # key set -> {figure: object}
     grids: dict[str, dict[str, dict]] = {}         # figure -> {row: flattened inner object}
     for key, value in payload.items():
-        if key in SKIP_KEYS:
+        if key in SKIP_KEYS or key in DETAIL_KEYS:
             continue
         if _is_number(value) or (isinstance(value, list) and _is_scalar(value)):
             figures[key] = value
@@ -126,6 +129,9 @@ def render_file(label: str, payload: dict) -> list[str]:
         lines += _table(["", *members], [[k, *(fmt(obj[k]) for obj in members.values())] for k in keys])
     for name, rows in grids.items():
         columns = list(dict.fromkeys(c for inner in rows.values() for c in inner))
+        if len(columns) > MAX_COLUMNS:
+            lines += [f"{name}: {len(rows)} rows x {len(columns)} columns, in the JSON file.", ""]
+            continue
         lines += [f"{name}:", ""]
         lines += _table(["", *columns], [[row, *(fmt(inner.get(c)) for c in columns)] for row, inner in rows.items()])
     return lines
