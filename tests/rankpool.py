@@ -7,10 +7,13 @@ as fn(rank, world_size, *args) and the per-rank return values come back as a lis
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import socket
+import sys
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -74,3 +77,21 @@ class RankPool:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
+
+
+TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
+
+
+def _tool_rank(rank: int, world_size: int, module: str, fn_name: str, *args):
+    # Pool workers started before tools/ went on the test process's path: import the tool here.
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    return getattr(importlib.import_module(module), fn_name)(rank, world_size, *args)
+
+
+def tool_runner(pool: RankPool, module: str):
+    """A `runner(fn, world_size, *args)` for tools/<module>.py's main() that runs fn on the pool's ranks."""
+    def runner(fn, world_size: int, *args) -> list:
+        assert world_size == pool.world_size
+        return pool.run(_tool_rank, module, fn.__name__, *args)
+    return runner

@@ -6,10 +6,10 @@ import importlib
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
+from rankpool import tool_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {"dense_adamw", "dense_muon", "dense_tans", "chtsnm_nobranch_1of4_row", "chts_muon_1of4_row",
@@ -25,18 +25,9 @@ def bench(monkeypatch):
     return importlib.import_module("bench_train")
 
 
-def _tool_rank(rank, world_size, module, fn_name, *args):
-    # Pool workers started before tools/ went on the test process's path: import the tool here.
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))
-    return getattr(importlib.import_module(module), fn_name)(rank, world_size, *args)
-
 
 def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, capsys):
-    def runner(fn, world_size, *args):
-        assert world_size == ranks2.world_size
-        return ranks2.run(_tool_rank, "bench_train", fn.__name__, *args)
-
+    runner = tool_runner(ranks2, "bench_train")
     out = tmp_path / "bench_train.json"
     bench.main(["--quick", "--json", str(out)], runner=runner)
     payload = json.loads(out.read_text())

@@ -4,10 +4,10 @@ analytic dense AdamW accounting equals a measured dense AdamW run part by part."
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from rankpool import tool_runner
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny model (configs/model/tiny.yaml): 2 layers of q, k, v, o [64, 64], gate, up [176, 64], down [64, 176].
@@ -25,18 +25,9 @@ def tool(monkeypatch):
     return importlib.import_module("scale_check")
 
 
-def _tool_rank(rank, world_size, module, fn_name, *args):
-    # Pool workers started before tools/ went on the test process's path: import the tool here.
-    if str(ROOT / "tools") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tools"))
-    return getattr(importlib.import_module(module), fn_name)(rank, world_size, *args)
-
 
 def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, ranks2, tmp_path, capsys):
-    def runner(fn, world_size, *args):
-        assert world_size == ranks2.world_size
-        return ranks2.run(_tool_rank, "scale_check", fn.__name__, *args)
-
+    runner = tool_runner(ranks2, "scale_check")
     out = tmp_path / "scale.json"
     tool.main(["--model", "tiny", "--json", str(out)], runner=runner)
     payload = json.loads(out.read_text())
