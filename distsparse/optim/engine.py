@@ -34,6 +34,7 @@ from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule, init_state
 
 ALIGN = 128   # shard length alignment (elements)
+GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
 
 
 def _align(n: int) -> int:
@@ -94,16 +95,29 @@ class GradBucket:
     out: torch.Tensor | None = None
 
 
+def _overlaps(matrices: list[Matrix], start: int, end: int):
+    """(matrix, lo, hi) for each matrix whose span [offset, offset + numel) in its owner's shard meets
+    [start, end); lo and hi are shard positions."""
+    for m in matrices:
+        lo, hi = max(start, m.offset), min(end, m.offset + m.numel)
+        if lo < hi:
+            yield m, lo, hi
+
+
 class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
-                 initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1):
+                 initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1,
+                 gather_chunk: int = GATHER_CHUNK):
         if reset_mode not in ("changed", "all"):
             # TODO: reset mode `none` needs the dense V/P shadow of matrix_state.update_shadow kept per owner.
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed in the engine: changed, all")
         self.rule_name, self.rule, self.hp = rule, get_rule(rule), hparams
         self.mode, self.group, self.reset_mode = mode, group, reset_mode
         self.reduce_dtype = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
+        if gather_chunk < 1:
+            raise ValueError(f"gather_chunk: got {gather_chunk}; allowed: an integer >= 1")
+        self.gather_chunk = gather_chunk
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -317,15 +331,21 @@ class MatrixEngine:
             for m in self.updated_here():
                 m.param.data.copy_(self.masters[m.name].view(m.param.shape))
             return
+        # The shards travel in chunks: a whole-shard gather would stage (W + 1) x shard, 1.7 GiB per rank at 1b.
         dtype = next(iter(self.matrices.values())).param.dtype   # bf16 on the wire when training in bf16
-        send = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
-        for m in self.owned():
-            send[m.offset:m.offset + m.numel] = self.masters[m.name].reshape(-1)
-        recv = torch.empty(self.world_size * self.shard_size, dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=self.group)
-        for m in self.matrices.values():
-            start = m.owner * self.shard_size + m.offset
-            m.param.data.copy_(recv[start:start + m.numel].view(m.param.shape))
+        chunk, w = min(self.gather_chunk, self.shard_size), self.world_size
+        send = torch.empty(chunk, dtype=dtype, device=self.device)
+        recv = torch.empty(w * chunk, dtype=dtype, device=self.device)
+        owned, everyone = self.owned(), list(self.matrices.values())
+        for start in range(0, self.shard_size, chunk):
+            n = min(chunk, self.shard_size - start)
+            send[:n].zero_()
+            for m, lo, hi in _overlaps(owned, start, start + n):
+                send[lo - start:hi - start] = self.masters[m.name].reshape(-1)[lo - m.offset:hi - m.offset]
+            dist.all_gather_into_tensor(recv[:w * n], send[:n], group=self.group)
+            for m, lo, hi in _overlaps(everyone, start, start + n):
+                src = m.owner * n + lo - start
+                m.param.data.view(-1)[lo - m.offset:hi - m.offset].copy_(recv[src:src + hi - lo])
 
     def zero_grad(self) -> None:
         for bucket in self.buckets:
