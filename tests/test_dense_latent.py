@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.nm import NMSpec, encode, is_legal
+from distsparse.optim.engine import MatrixEngine
+from distsparse.optim.hparams import AdamSHParams
 
 F64 = torch.float64
 
@@ -101,6 +103,21 @@ def test_cast_export_is_legal_and_equals_the_projection_of_the_scaled_weight():
     assert layer.scale.dtype == torch.float32
 
 
+def test_cast_projection_cut_is_the_pruned_share_of_the_scaled_weights_squared_norm():
+    layers = [_cast_with_scales(), _cast_with_scales()]
+    with torch.no_grad():
+        layers[1].weight.mul_(3.0)
+    cut = total = 0.0
+    for layer in layers:
+        scaled = _scaled_ref(layer)
+        cut += float((scaled * ~_brute_force_mask(scaled, 2, "row")).square().sum())
+        total += float(scaled.square().sum())
+    assert 0 < cut < total
+    ste = _layer("ste", NMSpec(2, 4, "row"))
+    assert cast_metrics([*layers, ste]) == pytest.approx({"cast/projection_cut": cut / total}, rel=1e-12)
+    assert cast_metrics([ste]) == {}
+
+
 def test_cast_trains_on_the_scaled_dense_weight_and_evaluates_on_the_projection():
     layer = _cast_with_scales()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4), dtype=F64)
@@ -123,8 +140,18 @@ def test_cast_mask_is_refreshed_only_every_interval_steps():
     assert torch.equal(layer.current_mask(), old_mask)
     assert layer.maybe_update_mask(20) is True
     assert torch.equal(layer.current_mask(), new_mask)
-    assert torch.equal(layer.pruned_mask(), ~new_mask)
     assert "codes" in layer.state_dict()
+
+
+def test_engine_adams_step_decays_only_outside_the_cast_support():
+    layer = DenseLatentLinear(16, 8, NMSpec(1, 4, "row"), "cast", seed=4, init_std=1.0)
+    layer.weight.requires_grad_(True)
+    support, before = layer.current_mask(), layer.weight.detach().clone()
+    engine = MatrixEngine({"cast": layer}, rule="adams", hparams=AdamSHParams(lambda_w=1e-2, prox_l1=0.5))
+    engine.step(lr=1e-3)                       # a zero gradient: only the decay moves anything
+    after = layer.weight.detach()
+    assert torch.equal(after[support], before[support])
+    assert (after[~support] != before[~support]).all()
 
 
 def test_blockwise_cast_is_refused_with_the_papers_reason():

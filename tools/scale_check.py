@@ -5,8 +5,9 @@ accounting for dense AdamW under ZeRO-2. Run by hand, not in CI (a 1B step takes
     python tools/scale_check.py --model 1b --json out.json      # or 350m; --model tiny is the test suite's run
 
 The run: `chtsnm_nobranch_1of4_row` (TANS backbone, CHTs refresh), sequence 256, micro-batch 1 per rank,
-3 optimizer steps with `method.topology.update_interval=2`, so step 2 refreshes every mask; configs/ds/zero2.json,
-fp32 on CPU, vocab 32000 (synthetic tokens), `model.meta_device_init=true`.
+3 optimizer steps with `method.topology.update_interval=2`, so step 2 refreshes every mask; configs/ds/zero2.json
+with 5e7-element buckets, fp32 on CPU, vocab 32000 (synthetic tokens), `model.meta_device_init=true`,
+`model.activation_checkpointing=true`, `engine.num_buckets=8`.
 
 Bytes per rank (DESIGN s6: sums of `untyped_storage().nbytes()` over deduplicated tensors), read at the last step
 after backward and before the optimizer step, when gradients are held too:
@@ -23,7 +24,8 @@ after backward and before the optimizer step, when gradients are held too:
     grad_buffer        the fp32 flat gradient buffer [W x shard] (every rank holds all of it)
 Not counted (transient, but part of the peak): DeepSpeed's ZeRO-2 reduce bucket (`reduce_bucket_size` elements,
 allocated with torch.empty and touched only up to the dense side's size), the matrix engine's value all-gather
-staging (send [shard] and receive [W x shard] in the values' dtype, allocated every step) and activations.
+staging (send [chunk] and receive [W x chunk] in the values' dtype, chunk <= 2^24 elements, allocated every step),
+the reduce-scatter's output shard of each bucket, and activations.
 
 Dense AdamW under ZeRO-2 is the project's `dense_adamw` method under the same DeepSpeed config and the same
 accounting: the same dense side (identical parameters), dense backbone weights, AdamW masters and moments of the
@@ -66,8 +68,12 @@ STEPS = 3
 UPDATE_INTERVAL = 2
 SEQ_LEN = 256
 MICRO_BATCH = 1
+# What a user fitting 1b on two ranks of 24 GiB sets (DeepSpeed's default 5e8-element buckets are sized for GPUs;
+# eight engine buckets keep the reduce-scatter's staging at an eighth of the gradient buffer).
+NUM_BUCKETS = 8
+MEMORY_OVERRIDES = ("model.activation_checkpointing=true", f"engine.num_buckets={NUM_BUCKETS}")
+DS_BUCKET_ELEMENTS = 50_000_000
 TARGET = 0.35                      # issue 9: backbone_state_bytes_over_dense_adamw <= 0.35
-ALIGN = 128                        # the matrix engine's shard alignment (distsparse/optim/engine.py)
 DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
 BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
 
@@ -132,10 +138,11 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
 
 
 def dense_adamw_backbone_analytic(shapes: dict[str, tuple[int, int]], world_size: int, rank: int,
-                                  dtype_bytes: int = 4) -> dict[str, int]:
+                                  num_buckets: int, dtype_bytes: int = 4) -> dict[str, int]:
     """The dense_adamw backbone's bytes on `rank`, from the layer shapes: dense weights on every rank; fp32 master,
-    exp_avg and exp_avg_sq plus an int64 step counter per matrix LPT assigns to `rank`; the fp32 gradient buffer
-    of W shards, each the largest rank's numel rounded up to the engine's alignment."""
+    exp_avg and exp_avg_sq plus an int64 step counter per matrix LPT assigns to `rank`; the fp32 gradient buffers
+    of the engine's bucket layout, W aligned shards each."""
+    from distsparse.optim.engine import bucket_layout
     from distsparse.optim.owners import assign_owners, matrix_cost
 
     numel = {name: rows * cols for name, (rows, cols) in shapes.items()}
@@ -144,9 +151,9 @@ def dense_adamw_backbone_analytic(shapes: dict[str, tuple[int, int]], world_size
     for name, r in owners.items():
         fill[r] += numel[name]
         owned[r] += 1
-    shard = -(-max(fill) // ALIGN) * ALIGN
+    shards = sum(size for _, size, _ in bucket_layout(numel, owners, world_size, num_buckets))
     return {"values": dtype_bytes * sum(numel.values()), "codes": 0, "index_cache": 0,
-            "optimizer_state": 3 * 4 * fill[rank] + 8 * owned[rank], "grad_buffer": 4 * world_size * shard}
+            "optimizer_state": 3 * 4 * fill[rank] + 8 * owned[rank], "grad_buffer": 4 * world_size * shards}
 
 
 def classic_zero2_bytes(num_params: int, world_size: int, dtype_bytes: int = 4) -> int:
@@ -192,12 +199,15 @@ def _train_and_count(rank: int, model: str, method: str, vocab: int, data_dir: s
     overrides = [f"model.preset={model}", f"method.preset={method}", "model.meta_device_init=true",
                  f"model.vocab_size={vocab}", f"data.dir={data_dir}", f"data.seq_len={SEQ_LEN}",
                  f"train.micro_batch={MICRO_BATCH}", "train.grad_accum=1", f"train.steps={STEPS}",
-                 f"train.out_dir={Path(out_dir) / method}"]
+                 f"train.out_dir={Path(out_dir) / method}", *MEMORY_OVERRIDES]
     if method != DENSE_METHOD:
         overrides.append(f"method.topology.update_interval={UPDATE_INTERVAL}")
     cfg = load_config(None, overrides)
     log("building on the meta device")
-    trainer = Trainer(cfg, build_ds_config(ROOT / "configs/ds/zero2.json", cfg))
+    ds_config = build_ds_config(ROOT / "configs/ds/zero2.json", cfg)
+    ds_config["zero_optimization"].update(reduce_bucket_size=DS_BUCKET_ELEMENTS,
+                                          allgather_bucket_size=DS_BUCKET_ELEMENTS)
+    trainer = Trainer(cfg, ds_config)
     counts = parameter_counts(trainer.model)
     built_rss_gb = _rss_gb()
     log(f"built ({built_rss_gb:.2f} GiB peak RSS so far): {counts}")
@@ -273,7 +283,8 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
     shapes = {n: tuple(s) for n, s in sparse[0]["shapes"].items()}
     counts = sparse[0]["counts"]
     analytic = [{"dense_side": r["parts"]["dense_side"],
-                 "backbone": dense_adamw_backbone_analytic(shapes, world_size, rank)} for rank, r in enumerate(sparse)]
+                 "backbone": dense_adamw_backbone_analytic(shapes, world_size, rank, NUM_BUCKETS)}
+                for rank, r in enumerate(sparse)]
 
     # Per-rank figures; the headline ratios use the larger rank of each side (the one that must fit).
     sparse_backbone = max(sum(r["parts"]["backbone"].values()) for r in sparse)
@@ -299,7 +310,9 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
                    "world_size": world_size, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
                    "seq_len": SEQ_LEN, "micro_batch_per_rank": MICRO_BATCH, "steps": STEPS,
                    "update_interval": UPDATE_INTERVAL, "meta_device_init": True,
-                   "ds_config": "configs/ds/zero2.json (ZeRO-2) via build_ds_config",
+                   "ds_config": "configs/ds/zero2.json (ZeRO-2) via build_ds_config, reduce and all-gather buckets "
+                                f"of {DS_BUCKET_ELEMENTS} elements",
+                   "overrides": list(MEMORY_OVERRIDES),
                    "parameter_counts": counts,
                    "dense_adamw_accounting": "analytic from layer shapes" + (
                        ", checked by a measured run" if args.measure_dense else " (a dense run was not made)"),
@@ -307,7 +320,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
                    "peak_rss": "VmHWM of /proc/self/status in GiB, reset after imports and process-group start; "
                                "over_idle: less the resident set at that reset",
                    "not_counted": "DeepSpeed's ZeRO-2 reduce bucket (reduce_bucket_size elements), the engine's value "
-                                  "all-gather staging (send and receive buffers) and activations",
+                                  "all-gather staging (send and receive chunks), the reduce-scatter output shards and activations",
                    "target": {"backbone_state_bytes_over_dense_adamw": f"<= {TARGET}"}},
     }
     if measured is not None:

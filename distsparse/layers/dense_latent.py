@@ -10,7 +10,7 @@ G scale groups per row. m(W) = mask_from_scores(|W|, N, layout): top-N per row g
     srste   ste, and dL/dW += lambda_w * W * (1 - m), lambda_w = 1e-4               (App. H.2)
     cast    training: y = x (W * s)^T, dense; s [O, G] fp32, learned, starting at 1   (App. H.3)
             m is recomputed every `mask_update_interval` (10) steps by `maybe_update_mask(step)`; the optimizer rule
-            `adams` decays the coordinates `pruned_mask()` marks (that decay lives in distsparse/optim, not here).
+            `adams` decays the coordinates outside `current_mask()` (that decay lives in distsparse/optim, not here).
             export and eval-mode forward: the legal projection (W * s) * m(W * s), never the dense weight.
 
 CAST scale groups (RECONSTRUCTION: the seed says "scaling groups = 2" and nothing more; CAST's code is not public,
@@ -153,10 +153,6 @@ class DenseLatentLinear(nn.Module):
             return decode(NMMeta(self.codes, self.spec, (self.out_features, self.in_features)))
         return self._projection_mask(self.weight)
 
-    def pruned_mask(self) -> torch.Tensor:
-        """Bool [O, I]: the coordinates the current mask drops (what the `adams` rule decays for CAST)."""
-        return ~self.current_mask()
-
     def export_mask(self) -> torch.Tensor:
         """Bool [O, I]: the legal mask of `export_weight` (all ones for dense)."""
         if self.mode == "cast":
@@ -171,6 +167,13 @@ class DenseLatentLinear(nn.Module):
             return self.weight.detach().clone()
         weight = self.scaled_weight() if self.mode == "cast" else self.weight.detach()
         return weight * self._projection_mask(weight)
+
+    @torch.no_grad()
+    def projection_cut(self) -> tuple[float, float]:
+        """CAST: (squared norm of the scaled weight outside its projection mask, squared norm of all of it) in
+        fp64, the part of the trained weight the final projection throws away."""
+        weight = self.scaled_weight().double()
+        return float(weight[~self._projection_mask(weight)].square().sum()), float(weight.square().sum())
 
     def effective_weight(self) -> torch.Tensor:
         """The [O, I] weight the forward uses, with autograd (CAST in eval mode uses the export projection)."""
@@ -187,3 +190,12 @@ class DenseLatentLinear(nn.Module):
         sparsity = "none" if self.spec is None else str(self.spec)
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
                 f"sparsity={sparsity}")
+
+
+def cast_metrics(modules) -> dict[str, float]:
+    """`cast/projection_cut`: the share of the CAST layers' squared weight norm the final projection removes (it
+    must fall toward 0 for the projected model to keep the dense-forward model's quality); {} without CAST."""
+    cuts = [m.projection_cut() for m in modules if isinstance(m, DenseLatentLinear) and m.mode == "cast"]
+    if not cuts:
+        return {}
+    return {"cast/projection_cut": sum(c for c, _ in cuts) / max(sum(t for _, t in cuts), 1e-300)}

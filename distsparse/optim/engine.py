@@ -104,6 +104,25 @@ def _overlaps(matrices: list[Matrix], start: int, end: int):
             yield m, lo, hi
 
 
+def bucket_layout(numel: dict[str, int], owners: dict[str, int], world_size: int, num_buckets: int
+                  ) -> list[tuple[list[str], int, dict[str, int]]]:
+    """Split the matrices into buckets in reverse name order (deepest layers first, roughly the order in which
+    backward produces their gradients), so a bucket's reduce-scatter can start while backward still runs on
+    earlier layers. Per bucket: its names, its aligned shard size and each matrix's offset in its owner's shard."""
+    if num_buckets < 1:
+        raise ValueError(f"engine.num_buckets: got {num_buckets}; allowed: an integer >= 1")
+    names = sorted(numel, reverse=True)
+    per = -(-len(names) // num_buckets)
+    layout = []
+    for start in range(0, len(names), per):
+        fill, offsets = [0] * world_size, {}
+        for name in names[start:start + per]:
+            offsets[name] = fill[owners[name]]
+            fill[owners[name]] += numel[name]
+        layout.append((names[start:start + per], _align(max(fill)), offsets))
+    return layout
+
+
 class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
@@ -160,22 +179,13 @@ class MatrixEngine:
     # ---- layout ------------------------------------------------------------------------------------------
 
     def _make_buckets(self, num_buckets: int, device) -> list[GradBucket]:
-        """Split the matrices into buckets in reverse name order (deepest layers first, roughly the order in
-        which backward produces their gradients), each with its own shard-aligned fp32 buffer, so a bucket's
-        reduce-scatter can start while backward still runs on earlier layers."""
-        if num_buckets < 1:
-            raise ValueError(f"engine.num_buckets: got {num_buckets}; allowed: an integer >= 1")
-        names = sorted(self.matrices, reverse=True)
-        per = -(-len(names) // num_buckets)
         buckets = []
-        for b, start in enumerate(range(0, len(names), per)):
-            fill = [0] * self.world_size
-            for name in names[start:start + per]:
-                m = self.matrices[name]
-                m.bucket, m.grad_offset = b, fill[m.owner]
-                fill[m.owner] += m.numel
-            size = _align(max(fill))
-            buckets.append(GradBucket(names[start:start + per], size,
+        layout = bucket_layout({n: m.numel for n, m in self.matrices.items()}, self.owners, self.world_size,
+                               num_buckets)
+        for b, (names, size, offsets) in enumerate(layout):
+            for name in names:
+                self.matrices[name].bucket, self.matrices[name].grad_offset = b, offsets[name]
+            buckets.append(GradBucket(names, size,
                                       torch.zeros(self.world_size * size, dtype=torch.float32, device=device)))
         return buckets
 
@@ -277,7 +287,8 @@ class MatrixEngine:
             grad = self._grad_view(m).view(m.param.shape)
             if clip_coef != 1.0:
                 grad = grad * clip_coef
-            extra = {"mask": m.module.pruned_mask()} if self.rule_name == "adams" else {}
+            # adams decays the complement of the support it is given
+            extra = {"mask": m.module.current_mask()} if self.rule_name == "adams" else {}
             self.rule.step(self.masters[m.name], grad, self.states[m.name], lr=lr, hp=self.hp,
                            index=m.index, shape=m.shape, **extra)
         t0 = time.perf_counter()

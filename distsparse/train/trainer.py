@@ -10,6 +10,7 @@ One optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,9 +25,10 @@ from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.perplexity import loss_sums, perplexity
 from distsparse.layers.branches import mean_aux_loss
-from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
+from distsparse.optim.hparams import AdamSHParams
 from distsparse.optim.rules import get_rule
 from distsparse.train.checkpoint import CheckpointManager
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
@@ -159,6 +161,8 @@ class Trainer:
         if applied and finite:
             taken = self.step + 1
             refresh = self.topology.refresh_fn(taken) if self.topology.due(taken) else None
+            if isinstance(self.matrix.hp, AdamSHParams):   # CAST's decay scheduler follows training progress
+                self.matrix.hp = dataclasses.replace(self.matrix.hp, progress=min(1.0, taken / self.cfg.train.steps))
             stats = self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef, refresh)
             if refresh is not None:
                 metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
@@ -248,6 +252,7 @@ class Trainer:
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
                 metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl})
+                metrics.update(cast_metrics(self.backbone.values()))   # how much CAST's projection will cut
             periodic = any(k.startswith(("loss/val", "topology/", "permutation/")) for k in metrics)
             if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or periodic:
                 self.writer.log(metrics, self.step)
@@ -259,6 +264,8 @@ class Trainer:
                             f"tok/s {metrics['time/tokens_per_s']:.0f} | eta {eta:.0f}s")
                     if "loss/val" in metrics:
                         line += f" | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
+                    if "cast/projection_cut" in metrics:
+                        line += f" | projection_cut {metrics['cast/projection_cut']:.3f}"
                     log.info(line)
             if ddist.any_rank(self.preemption.set):   # one collective: ranks agree on a signal seen by any
                 log.warning("preemption signal: saving a checkpoint at step %d and exiting", self.step)
