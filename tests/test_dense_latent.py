@@ -147,7 +147,7 @@ def test_engine_adams_step_decays_only_outside_the_cast_support():
     layer = DenseLatentLinear(16, 8, NMSpec(1, 4, "row"), "cast", seed=4, init_std=1.0)
     layer.weight.requires_grad_(True)
     support, before = layer.current_mask(), layer.weight.detach().clone()
-    engine = MatrixEngine({"cast": layer}, rule="adams", hparams=AdamSHParams(lambda_w=1e-2, prox_l1=0.5))
+    engine = MatrixEngine({"cast": layer}, rule="adams", hparams=AdamSHParams(lambda_w=1e-2))
     engine.step(lr=1e-3)                       # a zero gradient: only the decay moves anything
     after = layer.weight.detach()
     assert torch.equal(after[support], before[support])

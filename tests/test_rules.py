@@ -253,30 +253,6 @@ def test_adams_equals_the_float64_reference_and_decays_only_pruned_coordinates()
     assert torch.equal(got[mask], no_decay[mask]) and not torch.equal(got[~mask], no_decay[~mask])
 
 
-def test_adams_proximal_l1_shrinks_pruned_coordinates_to_exact_zeros_by_progress():
-    shape = (8, 16)
-    mask = random_mask(*shape, NMSpec(1, 4, "row"), generator=torch.Generator().manual_seed(84))
-    theta = 0.05 * torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(85))
-    gs = grads(shape, 6, seed=86)
-    hp = AdamSHParams(lambda_w=0.0, prox_l1=40.0, progress=0.5)
-    lr, b1, b2, eps = 0.01, hp.beta1, hp.beta2, hp.eps
-    m = torch.zeros(shape, dtype=torch.float64)
-    v = torch.zeros(shape, dtype=torch.float64)
-    want = theta.clone()
-    for t, G in enumerate(gs, start=1):     # AdamS (lambda_w 0), then soft-thresholding of the pruned set
-        m = b1 * m + (1 - b1) * G
-        v = b2 * v + (1 - b2) * m ** 2      # AST: the second moment of the update, here m
-        want = want - lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + eps)
-        soft = torch.sign(want) * (want.abs() - lr * 20.0).clamp(min=0)
-        want = torch.where(mask, want, soft)
-    got, _ = run_rule(step_adams, hp, theta, gs, None, None, lr=lr, rule="adams", mask=mask)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
-    assert (got[~mask] == 0).float().mean() > 0.5 and (got[mask] != 0).all()
-    plain, _ = run_rule(step_adams, dataclasses.replace(hp, progress=0.0), theta, gs, None, None, lr=lr,
-                        rule="adams", mask=mask)
-    assert torch.equal(got[mask], plain[mask]) and (plain[~mask] != 0).all()
-
-
 # ---------------------------------------------------------------- registry and hyperparameters
 
 

@@ -60,19 +60,12 @@ class AdamHParams:
 @dataclass(frozen=True, kw_only=True)
 class AdamSHParams(AdamHParams):
     """CAST's AdamS (paper App. H.3): AdamW plus an L1 decay `lambda_w` on the currently pruned coordinates of a
-    dense latent weight, fed through the moments (research/permutations_pruning.md s7), and CAST's decay scheduler
-    as a proximal L1 step of lr * prox_l1 * progress on the same coordinates (see rules_adam.step_adams).
-    `progress` (0..1, the fraction of training done) is set by the trainer every step."""
+    dense latent weight, fed through the moments (research/permutations_pruning.md s7)."""
     lambda_w: float = 2e-4
-    prox_l1: float = 0.0
-    progress: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_nonneg("lambda_w", self.lambda_w)
-        _check_nonneg("prox_l1", self.prox_l1)
-        if not 0.0 <= self.progress <= 1.0:
-            raise ValueError(f"progress: got {self.progress!r}; allowed: a number in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)

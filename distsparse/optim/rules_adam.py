@@ -53,14 +53,7 @@ def step_adams(master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.
         u = m + lambda_w * (1 - mask) * sign(theta)      (selective L1 decay on pruned coordinates)
         v = b2 v + (1-b2) u^2                             (the decay is preconditioned too: "adaptive")
         theta -= lr / (1 - b1^t) * u / (sqrt(v / (1 - b2^t)) + eps)
-        pruned: theta = sign(theta) * max(|theta| - lr * prox_l1 * progress, 0)   (CAST's decay scheduler)
-
-    The last line is our reconstruction of the "L1 decay scheduler" CAST describes but does not publish: with the
-    preconditioned term alone, a pruned coordinate whose gradient outweighs lambda_w (every one in pretraining,
-    where gradients are far larger than in CAST's fine-tuning) never shrinks, and the final projection then cuts a
-    large share of the trained weight. The proximal step, whose strength ramps with training progress, moves the
-    pruned coordinates to exactly zero once it outweighs the Adam step (about lr per step), so the model turns
-    N:M continuously and the projection becomes lossless. prox_l1 = 0 is the AST/CAST form alone.
+    A schedule of lambda_w is the caller's: pass a new AdamSHParams (dataclasses.replace).
     """
     assert index is None and master.shape == mask.shape, (index is None, master.shape, mask.shape)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
@@ -74,7 +67,3 @@ def step_adams(master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.
     bias2_sqrt = (1 - hp.beta2 ** step) ** 0.5
     denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(hp.eps)
     master.addcdiv_(update, denom, value=-lr / bias1)
-    shrink = lr * hp.prox_l1 * hp.progress
-    if shrink:
-        shrunk = master.sign() * (master.abs() - shrink).clamp_min_(0.0)
-        master.copy_(torch.where(mask, master, shrunk))

@@ -10,7 +10,6 @@ One optimizer step:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -28,7 +27,6 @@ from distsparse.layers.branches import mean_aux_loss
 from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
-from distsparse.optim.hparams import AdamSHParams
 from distsparse.optim.rules import get_rule
 from distsparse.train.checkpoint import CheckpointManager
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
@@ -161,8 +159,6 @@ class Trainer:
         if applied and finite:
             taken = self.step + 1
             refresh = self.topology.refresh_fn(taken) if self.topology.due(taken) else None
-            if isinstance(self.matrix.hp, AdamSHParams):   # CAST's decay scheduler follows training progress
-                self.matrix.hp = dataclasses.replace(self.matrix.hp, progress=min(1.0, taken / self.cfg.train.steps))
             stats = self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef, refresh)
             if refresh is not None:
                 metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
