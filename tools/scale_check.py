@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import sys
 import tempfile
 import time
@@ -73,6 +74,11 @@ MICRO_BATCH = 1
 NUM_BUCKETS = 8
 MEMORY_OVERRIDES = ("model.activation_checkpointing=true", f"engine.num_buckets={NUM_BUCKETS}")
 DS_BUCKET_ELEMENTS = 50_000_000
+# glibc raises its mmap threshold (up to 32 MiB) after each large free, so the many 10-45 MiB per-matrix
+# temporaries of a refresh land in the heap and stay resident after being freed; a fixed 1 MiB threshold returns
+# every large tensor to the system when it dies (mallopt(3), M_MMAP_THRESHOLD). The command line sets it for the
+# ranks it spawns.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 TARGET = 0.35                      # issue 9: backbone_state_bytes_over_dense_adamw <= 0.35
 DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
 BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
@@ -313,6 +319,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
                    "ds_config": "configs/ds/zero2.json (ZeRO-2) via build_ds_config, reduce and all-gather buckets "
                                 f"of {DS_BUCKET_ELEMENTS} elements",
                    "overrides": list(MEMORY_OVERRIDES),
+                   "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
                    "parameter_counts": counts,
                    "dense_adamw_accounting": "analytic from layer shapes" + (
                        ", checked by a measured run" if args.measure_dense else " (a dense run was not made)"),
@@ -355,4 +362,6 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
 
 
 if __name__ == "__main__":
+    for key, value in MALLOC_ENV.items():   # inherited by the spawned ranks
+        os.environ.setdefault(key, value)
     main()
