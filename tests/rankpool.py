@@ -82,11 +82,16 @@ class RankPool:
 TOOLS = str(Path(__file__).resolve().parents[1] / "tools")
 
 
-def _tool_rank(rank: int, world_size: int, module: str, fn_name: str, *args):
-    # Pool workers started before tools/ went on the test process's path: import the tool here.
+def import_tool(module: str):
+    """tools/<module>.py as a module (the tools are scripts, not a package: their folder goes on sys.path)."""
     if TOOLS not in sys.path:
         sys.path.insert(0, TOOLS)
-    return getattr(importlib.import_module(module), fn_name)(rank, world_size, *args)
+    return importlib.import_module(module)
+
+
+def _tool_rank(rank: int, world_size: int, module: str, fn_name: str, *args):
+    # Pool workers started before the test imported the tool: import it here too.
+    return getattr(import_tool(module), fn_name)(rank, world_size, *args)
 
 
 def tool_runner(pool: RankPool, module: str):

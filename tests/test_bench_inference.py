@@ -3,26 +3,18 @@ projections with their multiplicities and is the median of the per-round ratios,
 S_2:4 x R_CSR, and on CPU the GPU part is skipped with its reason. On a GPU, the padded 2:4 layer computes what the
 dense layer computes."""
 
-import importlib
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from rankpool import import_tool
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
-    import sys
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("bench_inference")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+def bench():
+    return import_tool("bench_inference")
 
 
 def test_quick_bench_inference_writes_every_named_key(bench, tmp_path, capsys):

@@ -1,14 +1,12 @@
 """tools/bench_layer.py --quick writes the JSON the issue names, with storage ratios that match DESIGN s3's byte
 counts (bf16 values + packed row codes or one motif byte per block)."""
 
-import importlib
 import json
 import math
-from pathlib import Path
 
 import torch
+from rankpool import import_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK_SHAPES = ((32, 48), (48, 32), (64, 96))   # (in, out), as in bench_layer.QUICK_SHAPES
 
 
@@ -23,8 +21,7 @@ def expected_storage_ratio(n, layout):
 
 def test_quick_bench_layer_writes_every_named_figure(tmp_path, monkeypatch, capsys):
     # In-process: a subprocess would spend most of the test importing torch again.
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    bench_layer = importlib.import_module("bench_layer")
+    bench_layer = import_tool("bench_layer")
     out = tmp_path / "bench_layer.json"
     threads = torch.get_num_threads()
     try:

@@ -3,29 +3,22 @@ measured peaks and the permutation parameter count from the tiny model's widths;
 hand-counted bytes; and the performance fixes of distsparse/layers/permutation.py that the benchmark led to (one
 gather, or block product, per shared input; the gather kernel) against dense float64 references."""
 
-import importlib
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.permutation_math import doubly_stochastic, l1_l2_penalty
+from rankpool import import_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = {"train_step_ratio_soft", "train_step_ratio_hard", "memory_ratio_soft", "infer_ratio_hard"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    import sys
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("bench_permutation")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return import_tool("bench_permutation")
 
 
 def test_quick_bench_permutation_writes_every_named_figure(bench, tmp_path, capsys):

@@ -2,7 +2,6 @@
 plot, resumability), and its LR sweep, failure handling and reference ratios with the trainer replaced by a
 stand-in whose PPL is a known function of the learning rate."""
 
-import importlib
 import json
 import math
 import random
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from data_prep.prepare import PrepConfig, prepare
+from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the sparse matrix keeps one weight of every four in each row while the optimizer updates only "
@@ -21,9 +21,8 @@ DEFAULT_TRAIN_LR = 3e-3   # TrainConfig.lr, the dense-side default that no prese
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    return importlib.import_module("bench_quality")
+def bench():
+    return import_tool("bench_quality")
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,13 @@
 of the paper (research/cht_topology.md s2b) on the tiny model's shapes, and its ratios are built from its raw
 seconds and bytes."""
 
-import importlib
 import json
 import math
 import statistics
-from pathlib import Path
 
 import torch
+from rankpool import import_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 # The tiny preset (configs/model/tiny.yaml defaults): hidden 64, FFN 176, 2 layers; (out, in) per projection.
 TINY_SHAPES = {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64), "o_proj": (64, 64),
                "gate_proj": (176, 64), "up_proj": (176, 64), "down_proj": (64, 176)}
@@ -26,8 +24,7 @@ def expected_groups_selected(layout, step=100, total=10000, zeta0=0.1):
 
 def test_quick_bench_topology_writes_the_named_figures_from_its_raw_numbers(tmp_path, monkeypatch, capsys):
     # In-process: a subprocess would spend most of the test importing torch and transformers again.
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    bench = importlib.import_module("bench_topology")
+    bench = import_tool("bench_topology")
     out = tmp_path / "bench_topology.json"
     threads = torch.get_num_threads()
     try:

@@ -2,16 +2,13 @@
 with the tiny model's FLOP count and the refresh amortization; the rank-combining and pairing arithmetic against
 hand-computed medians."""
 
-import importlib
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
-from rankpool import tool_runner
+from rankpool import import_tool, tool_runner
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = {"dense_adamw", "dense_muon", "dense_tans", "chtsnm_nobranch_1of4_row", "chts_muon_1of4_row",
         "chtsnm_nobranch_2of4_row"}
 SPARSE = {"chtsnm_nobranch_1of4_row", "chts_muon_1of4_row", "chtsnm_nobranch_2of4_row"}
@@ -20,9 +17,8 @@ LAYERS, HIDDEN, FFN, VOCAB, SEQ, TOKENS = 2, 64, 176, 512, 64, 2 * 2 * 64
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    return importlib.import_module("bench_train")
+def bench():
+    return import_tool("bench_train")
 
 
 

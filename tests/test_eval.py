@@ -2,10 +2,8 @@
 Hugging Face folder and on a project checkpoint (values, codes and dense side loaded), and lm-evaluation-harness end to
 end on local tasks against hand-computed log-likelihoods."""
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
 from distsparse.train.checkpoint import CheckpointManager
 from synthetic_data import make_data_dir
+from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 97                 # make_data_dir's vocabulary; the char tokenizer below fits inside it
@@ -297,11 +296,7 @@ def reference_zero_shot(model: nn.Module, tokenizer, max_length: int) -> dict[st
 def eval_zeroshot():
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[eval]'")
     pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate: pip install 'lm-eval[hf]'")
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("eval_zeroshot")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return import_tool("eval_zeroshot")
 
 
 def test_zero_shot_on_a_checkpoint_in_memory_matches_hand_computed_log_likelihoods(checkpoint, eval_zeroshot,

@@ -10,6 +10,7 @@ import torch
 from distsparse.config import load_config
 from distsparse.nm import NMMeta, NMSpec, decode
 from distsparse.train.ds_config import build_ds_config
+from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_interval=1000", "train.eval_samples=8",
@@ -38,14 +39,7 @@ def tok_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tools():
-    import sys
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import consolidate
-        import export_hf
-        yield export_hf, consolidate
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return import_tool("export_hf"), import_tool("consolidate")
 
 
 def _train_and_probe(rank, world_size, data_dir, out_dir, overrides):

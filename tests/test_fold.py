@@ -2,9 +2,7 @@
 and the HF export that applies it (tools/export_hf.py): logits before folding are the reference; weights are checked
 against W[perm, :] of the unfolded model, exported weights against the N:M rule and the decompressed values."""
 
-import importlib
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +14,9 @@ from distsparse.layers.fold import fold_permutations, value_permutation
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.projection import SparseProjection, backbone_core
 from distsparse.models import build_model, llama_config, projection_names
+from rankpool import import_tool
 
 VOCAB, LAYERS = 97, 2
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(preset: str, *extra: str):
@@ -201,12 +199,7 @@ def test_dense_latent_baselines_fold_with_their_masks_and_scales(preset):
 
 @pytest.fixture(scope="module")
 def export_hf():
-    import sys
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("export_hf")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return import_tool("export_hf")
 
 
 def save_and_reload(export_hf, model, path):

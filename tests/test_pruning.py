@@ -3,10 +3,8 @@ equations, legal 2:4 masks and the error ordering SparseGPT < Wanda < magnitude 
 learned permutations against none, and tools/prune_oneshot.py end to end (export loads, logits match)."""
 
 import copy
-import importlib
 import itertools
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,10 +21,10 @@ from distsparse.pruning import (
 from distsparse.pruning.learned_permutation import (
     hungarian, pruned_by_permutation, row_col_penalty, sinkhorn, surrogate_mask, to_original, to_permuted,
 )
+from rankpool import import_tool
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, NSAMPLES = 128, 64, 16
 PROJECTIONS = [name for _, names in INPUT_GROUPS for name in names]
 PAIRS_2_OF_4 = list(itertools.combinations(range(4), 2))
@@ -309,12 +307,7 @@ def test_learned_permutation_lowers_the_reconstruction_error_against_none(tiny, 
 
 @pytest.fixture(scope="module")
 def tool(tiny):
-    import sys
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        yield importlib.import_module("prune_oneshot")
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    return import_tool("prune_oneshot")
 
 
 def test_tool_output_loads_and_its_logits_equal_the_in_memory_pruned_model(tiny, dense, tool, tmp_path):

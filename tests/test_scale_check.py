@@ -2,14 +2,11 @@
 device trains 3 steps with one refresh, and the bytes by part match the layout arithmetic of the tiny model; the
 analytic dense AdamW accounting equals a measured dense AdamW run part by part."""
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
-from rankpool import tool_runner
+from rankpool import import_tool, tool_runner
 
-ROOT = Path(__file__).resolve().parents[1]
 # The tiny model (configs/model/tiny.yaml): 2 layers of q, k, v, o [64, 64], gate, up [176, 64], down [64, 176].
 LAYERS, HIDDEN, FFN, MATRICES = 2, 64, 176, 14
 DENSE = LAYERS * (4 * HIDDEN * HIDDEN + 3 * HIDDEN * FFN)
@@ -20,9 +17,8 @@ DENSE_SIDE = 2 * VOCAB * HIDDEN + (2 * LAYERS + 1) * HIDDEN   # untied embedding
 
 
 @pytest.fixture
-def tool(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    return importlib.import_module("scale_check")
+def tool():
+    return import_tool("scale_check")
 
 
 

@@ -2,21 +2,18 @@
 when the markers are missing, replaced in place otherwise, leaves the rest of the README alone, names each
 file's machine and prints every figure."""
 
-import importlib
 import json
-from pathlib import Path
 
 import pytest
+from rankpool import import_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = {"cpu": "Fake CPU 9000", "cores": 2, "torch": "2.13.0", "deepspeed": "0.19.8", "gpu": None}
 GPU = {"cpu": "Other CPU", "cores": 16, "torch": "2.13.0", "deepspeed": "0.19.8", "gpu": "NVIDIA H200", "cuda": "12.8"}
 
 
 @pytest.fixture
-def tool(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    return importlib.import_module("update_readme_results")
+def tool():
+    return import_tool("update_readme_results")
 
 
 @pytest.fixture
