@@ -74,6 +74,26 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, corpu
     assert {p: p.stat().st_mtime_ns for p in runs.rglob("result.json")} == mtimes
     assert json.loads(out_json.read_text())["methods"] == payload["methods"]
 
+    # Without the JSON the finished run directories are read back, not retrained: same numbers, no wall time.
+    out_json.unlink()
+    assert bench.main(argv) == 0
+    assert capsys.readouterr().out.count("with the same config; read back") == 2
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("result.json")} == mtimes
+    for name, entry in json.loads(out_json.read_text())["methods"].items():
+        assert entry["wall_s"] is None
+        assert {k: v for k, v in entry.items() if k != "wall_s"} == \
+            {k: v for k, v in payload["methods"][name].items() if k != "wall_s"}
+
+    # A run is read back only under its own config, and never with --force.
+    args = bench.parse_args(argv)
+    lr, dense_lr = bench.preset_lrs("dense_adamw", bench.base_overrides(args))
+    spec = bench.RunSpec("dense_adamw", "dense_adamw", 4, 2, lr, dense_lr, runs / "dense_adamw" / "full")
+    assert bench.finished_earlier(args, spec)
+    assert not bench.finished_earlier(args, bench.RunSpec(**{**vars(spec), "lr": 2 * lr}))
+    assert not bench.finished_earlier(args, bench.RunSpec(**{**vars(spec), "steps": 5}))
+    assert not bench.finished_earlier(bench.parse_args(argv + ["--seed", "1"]), spec)
+    assert not bench.finished_earlier(bench.parse_args(argv + ["--force"]), spec)
+
 
 # ---- the comparison logic with a stand-in trainer -----------------------------------------------------------
 
@@ -119,6 +139,44 @@ def test_lr_sweep_runs_three_scales_on_a_quarter_of_the_steps_and_trains_at_the_
     assert entry["lr_sweep"]["steps"] == 10
     assert [p["final_ppl"] for p in entry["lr_sweep"]["points"]] == pytest.approx([70.0, 60.0, 50.0])
     assert "lr_sweep" not in json.loads(out.read_text())["methods"]["dense_adamw"]
+
+
+def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_run(bench, fake_data, tmp_path,
+                                                                                    monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=0.25))
+    out = tmp_path / "q.json"
+    assert bench.main(["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40", "--eval-points",
+                       "4", "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1,0.25,0.5", "--sweep-steps", "40",
+                       "--json", str(out), "--out-root", str(tmp_path)]) == 0
+    base = preset_lr("chts24_1of4_row")
+
+    # Three runs, all full length and evaluated at the comparison's points; the 0.25x one is the result.
+    assert [(c.steps, c.eval_interval) for c in calls] == [(40, 10)] * 3
+    assert [c.lr for c in calls] == pytest.approx([base, 0.25 * base, 0.5 * base])
+    payload = json.loads(out.read_text())
+    entry = payload["methods"]["chts24_1of4_row"]
+    assert entry["lr_sweep"]["chosen_scale"] == 0.25 and entry["lr_sweep"]["steps"] == 40
+    assert entry["lr"] == pytest.approx(0.25 * base) and entry["final_ppl"] == pytest.approx(50.0)
+    assert [t for t, _ in entry["curve"]] == [s * 8 * 256 for s in (10, 20, 30, 40)]
+    assert entry["run_dir"] == str(tmp_path / "chts24_1of4_row" / "sweep_x0.25")
+    assert payload["config"]["lr_sweep"] == {"scales": [1.0, 0.25, 0.5], "steps": 40}
+
+
+@pytest.mark.parametrize("flag, value, allowed", [("--lr-scales", "0.5,-1", "distinct positive numbers"),
+                                                  ("--lr-scales", "1,1", "distinct positive numbers"),
+                                                  ("--lr-scales", "x", "distinct positive numbers"),
+                                                  ("--sweep-steps", "41", "1 to --steps"),
+                                                  ("--sweep-steps", "0", "1 to --steps")])
+def test_a_bad_sweep_setting_is_refused_naming_it(bench, fake_data, tmp_path, monkeypatch, capsys, flag, value,
+                                                  allowed):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0))
+    assert bench.main(["--data", str(fake_data), "--methods", "dense_adamw", "--steps", "40", "--lr-sweep",
+                       "dense_adamw", flag, value, "--json", str(tmp_path / "q.json"),
+                       "--out-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert calls == [] and f"{flag}: got" in err and value in err and allowed in err
 
 
 def test_a_failed_method_is_recorded_the_rest_runs_and_the_next_invocation_retries_only_it(bench, fake_data,

@@ -2,7 +2,8 @@
 
     python tools/bench_quality.py --data data/pydocs --methods dense_adamw,chts24_1of4_row,chtsnm_1of4_row \\
         --model small --steps 1500 --json runs/quality/quality.json --plot runs/quality/quality.png \\
-        [--lr-sweep chtsnm_1of4_row] [--force] [--nproc 1] [--eval-points 10] [--out-root runs/quality]
+        [--lr-sweep chtsnm_1of4_row [--lr-scales 0.5,1,2] [--sweep-steps 1500]] [--force] [--nproc 1] \\
+        [--eval-points 10] [--out-root runs/quality]
 
 Every method is one run of launch/pretrain.py in a subprocess (plain `python` for one process, the `deepspeed`
 launcher for --nproc N), all with the same model, seed, data order and token budget: the global batch
@@ -20,10 +21,18 @@ result there is skipped unless --force, so a long comparison can run in the back
 a JSON written under another comparison config are refused, not mixed). A method whose run failed is recorded
 with "skipped": reason, the comparison goes on, and the next invocation retries it.
 
-LR sweep (--lr-sweep): for the named methods, three short runs at 0.5x, 1x and 2x of both learning rates (the
-preset's backbone `method.lr` and the dense-side `train.lr`, scaled together) on 1/4 of the steps (with the
-LR schedule compressed to that length), then the full run at the scale with the lowest final PPL. The JSON
+LR sweep (--lr-sweep): for the named methods, one run per --lr-scales factor (default 0.5x, 1x, 2x) of both
+learning rates (the preset's backbone `method.lr` and the dense-side `train.lr`, scaled together) on
+--sweep-steps steps (default 1/4 of the steps, with the LR schedule compressed to that length), then the full
+run at the scale with the lowest final PPL. Short sweeps are cheap but biased towards high LRs (a high LR wins
+early and loses in the schedule's tail); with --sweep-steps equal to --steps every sweep point is a full run,
+evaluated at the comparison's token counts, and the best one is the method's result (no extra run). The JSON
 records the chosen LRs and every sweep point.
+
+A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
+`train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
+missing point. The DeepSpeed JSON is not part of that config: give runs under another --ds-config their own
+--out-root.
 """
 
 from __future__ import annotations
@@ -48,8 +57,8 @@ from benchlib import machine_info, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DENSE = "dense_adamw"
-LR_SCALES = (0.5, 1.0, 2.0)
-SWEEP_STEP_FRACTION = 4          # sweep runs train steps // 4 steps
+DEFAULT_LR_SCALES = "0.5,1,2"
+SWEEP_STEP_FRACTION = 4          # default sweep runs train steps // 4 steps
 _SPARSITY_SUFFIX = re.compile(r"_(\d+)of(\d+)_(row|block)$")
 # Settings that make two results comparable; a JSON written under other values is refused, not extended.
 COMPARED_KEYS = ("data", "model", "steps", "micro_batch", "seq_len", "eval_interval", "eval_samples", "seed",
@@ -75,9 +84,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="LR warmup steps (default: the trainer's train.warmup_steps)")
     p.add_argument("--lr-sweep", default="", metavar="METHOD,...",
-                   help="methods to tune first: 3 runs at 0.5x, 1x, 2x of the preset's backbone lr (method.lr) "
-                        "and of the dense-side lr (train.lr), scaled together, each on steps // 4 steps; the "
-                        "full run then uses the scale with the lowest final PPL")
+                   help="methods to tune first: one run per --lr-scales factor of the preset's backbone lr "
+                        "(method.lr) and of the dense-side lr (train.lr), scaled together, each on --sweep-steps "
+                        "steps; the full run then uses the scale with the lowest final PPL")
+    p.add_argument("--lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
+                   help=f"LR factors of the sweep (default {DEFAULT_LR_SCALES})")
+    p.add_argument("--sweep-steps", type=int, default=None,
+                   help=f"steps per sweep run (default steps // {SWEEP_STEP_FRACTION}); equal to --steps, the "
+                        "best sweep run is the method's result")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (repeatable), e.g. --set train.grad_clip=0.5")
     p.add_argument("--nproc", type=int, default=1,
@@ -88,10 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run directories go to OUT_ROOT/METHOD/{full,sweep_x0.5,...} (default runs/quality)")
     p.add_argument("--json", required=True, metavar="PATH", help="results JSON (read first: finished methods skip)")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of validation PPL against training tokens")
-    p.add_argument("--force", action="store_true", help="rerun methods that already have a result in the JSON")
+    p.add_argument("--force", action="store_true",
+                   help="rerun methods that already have a result in the JSON, and runs finished in --out-root")
     args = p.parse_args(argv)
     args.methods = _split_names(args.methods)
     args.lr_sweep = _split_names(args.lr_sweep)
+    args.lr_scales = _parse_scales(args.lr_scales)
+    if args.sweep_steps is None:
+        args.sweep_steps = args.steps // SWEEP_STEP_FRACTION
     args.out_root = str(Path(args.out_root).resolve())   # the subprocess runs in the repository root
     _check_args(args)
     return args
@@ -99,6 +117,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _split_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _parse_scales(text: str) -> list[float]:
+    try:
+        scales = [float(s) for s in _split_names(text)]
+    except ValueError:
+        scales = []
+    if not scales or any(not math.isfinite(s) or s <= 0 for s in scales) or len(set(scales)) != len(scales):
+        raise ValueError(f"--lr-scales: got {text!r}; allowed: distinct positive numbers, comma-separated")
+    return scales
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -120,9 +148,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.micro_batch % args.nproc:
         raise ValueError(f"--micro-batch: got {args.micro_batch} with --nproc {args.nproc}; allowed: a multiple "
                          f"of --nproc (each rank takes micro_batch / nproc sequences)")
-    if args.lr_sweep and args.steps < SWEEP_STEP_FRACTION:
-        raise ValueError(f"--steps: got {args.steps} with --lr-sweep; allowed: >= {SWEEP_STEP_FRACTION} "
-                         f"(sweep runs train steps // {SWEEP_STEP_FRACTION})")
+    if args.lr_sweep and not 1 <= args.sweep_steps <= args.steps:
+        raise ValueError(f"--sweep-steps: got {args.sweep_steps} with --steps {args.steps}; allowed: 1 to --steps "
+                         f"(default steps // {SWEEP_STEP_FRACTION})")
     if not (Path(args.data) / "meta.json").exists():
         raise ValueError(f"--data: got {args.data!r}; no meta.json there (prepare it with python -m "
                          f"data_prep.prepare --out {args.data} ...)")
@@ -150,7 +178,7 @@ class RunOutcome:
     final_train_loss: float | None
     curve: list[list[float]]    # [[tokens, ppl], ...]
     skipped: str | None         # why the run gave no usable result; None when it did
-    wall_s: float
+    wall_s: float | None        # None: read back from an earlier invocation's run directory
 
 
 def base_overrides(args: argparse.Namespace) -> list[str]:
@@ -170,10 +198,14 @@ def preset_lrs(method: str, overrides: list[str]) -> tuple[float, float]:
     return cfg.method.lr, cfg.train.lr
 
 
+def run_overrides(args: argparse.Namespace, run: RunSpec) -> list[str]:
+    return [*base_overrides(args), f"method.preset={run.method}", f"method.lr={run.lr!r}",
+            f"train.lr={run.dense_lr!r}", f"train.steps={run.steps}", f"train.eval_interval={run.eval_interval}",
+            f"train.out_dir={run.out_dir}"]
+
+
 def run_command(args: argparse.Namespace, run: RunSpec) -> list[str]:
-    overrides = [*base_overrides(args), f"method.preset={run.method}", f"method.lr={run.lr!r}",
-                 f"train.lr={run.dense_lr!r}", f"train.steps={run.steps}",
-                 f"train.eval_interval={run.eval_interval}", f"train.out_dir={run.out_dir}"]
+    overrides = run_overrides(args, run)
     entry = [str(ROOT / "launch" / "pretrain.py"), "--ds_config", str(ROOT / args.ds_config)]
     if args.nproc == 1:
         return [sys.executable, *entry, *overrides]
@@ -191,8 +223,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def finished_earlier(args: argparse.Namespace, run: RunSpec) -> bool:
+    """True when run.out_dir holds the result of a run with this run's resolved config (all but its out_dir)."""
+    from distsparse.config import config_to_dict, load_config
+    if args.force or not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
+        return False
+    expected = json.loads(json.dumps(config_to_dict(load_config(None, run_overrides(args, run)))))
+    found = json.loads((run.out_dir / "config.json").read_text())
+    expected["train"].pop("out_dir")
+    found.get("train", {}).pop("out_dir", None)
+    return found == expected
+
+
 def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
-    """Run one training subprocess, echoing its output; read its curve and result back."""
+    """Run one training subprocess, echoing its output, and read its curve and result back; or read back the
+    result an earlier invocation left in run.out_dir under the same config."""
+    if finished_earlier(args, run):
+        print(f"  [{run.label}] finished earlier in {run.out_dir} with the same config; read back", flush=True)
+        return read_outcome(args, run, returncode=0, tail=[], wall_s=None)
     if run.out_dir.exists():
         shutil.rmtree(run.out_dir)   # a previous attempt's event files would mix into the curve
     env = dict(os.environ)
@@ -216,7 +264,11 @@ def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    wall_s = time.perf_counter() - start
+    return read_outcome(args, run, returncode, list(tail), time.perf_counter() - start)
+
+
+def read_outcome(args: argparse.Namespace, run: RunSpec, returncode: int, tail: list[str],
+                 wall_s: float | None) -> RunOutcome:
     tokens_per_step = args.micro_batch * args.seq_len
     curve = read_curve(run.out_dir / "tb", tokens_per_step) if (run.out_dir / "tb").exists() else []
     if returncode != 0:
@@ -260,18 +312,21 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
     lr, dense_lr = preset_lrs(method, base_overrides(args))
     method_dir = Path(args.out_root) / method
     entry: dict[str, Any] = {}
-    scale = 1.0
+    eval_interval = args.steps // args.eval_points
+    scale, chosen = 1.0, None
     if method in args.lr_sweep:
-        sweep_steps = args.steps // SWEEP_STEP_FRACTION
-        points = []
-        for i, s in enumerate(LR_SCALES, start=1):
-            print(f"{label}: LR sweep {i}/{len(LR_SCALES)}: x{s} (method.lr {lr * s:.3g}, train.lr "
-                  f"{dense_lr * s:.3g}), {sweep_steps} steps", flush=True)
-            outcome = train(args, RunSpec(f"{method} x{s}", method, sweep_steps, sweep_steps, lr * s, dense_lr * s,
-                                          method_dir / f"sweep_x{s}"))
-            points.append({"scale": s, "lr": lr * s, "dense_lr": dense_lr * s, "final_ppl": outcome.final_ppl,
-                           "skipped": outcome.skipped})
-        entry["lr_sweep"] = {"steps": sweep_steps, "points": points}
+        full_length = args.sweep_steps == args.steps
+        sweep_eval = eval_interval if full_length else args.sweep_steps   # a full-length point may be the result
+        points, outcomes = [], {}
+        for i, s in enumerate(args.lr_scales, start=1):
+            print(f"{label}: LR sweep {i}/{len(args.lr_scales)}: x{s} (method.lr {lr * s:.3g}, train.lr "
+                  f"{dense_lr * s:.3g}), {args.sweep_steps} steps", flush=True)
+            spec = RunSpec(f"{method} x{s}", method, args.sweep_steps, sweep_eval, lr * s, dense_lr * s,
+                           method_dir / f"sweep_x{s}")
+            outcomes[s] = (spec, train(args, spec))
+            points.append({"scale": s, "lr": lr * s, "dense_lr": dense_lr * s,
+                           "final_ppl": outcomes[s][1].final_ppl, "skipped": outcomes[s][1].skipped})
+        entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
         if not finished:
             return {"final_ppl": None, "curve": [], "lr": lr, "dense_lr": dense_lr,
@@ -279,13 +334,18 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
         scale = min(finished, key=lambda p: p["final_ppl"])["scale"]
         entry["lr_sweep"]["chosen_scale"] = scale
         print(f"{label}: LR sweep chose x{scale}", flush=True)
-    eval_interval = args.steps // args.eval_points
-    outcome = train(args, RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * scale,
-                                  method_dir / "full"))
+        if full_length:
+            chosen = outcomes[scale]
+    if chosen is not None:
+        spec, outcome = chosen
+    else:
+        spec = RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * scale, method_dir / "full")
+        outcome = train(args, spec)
+    wall_s = round(outcome.wall_s, 1) if outcome.wall_s is not None else None
     return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": lr * scale, "dense_lr": dense_lr * scale,
             "skipped": outcome.skipped, "final_val_loss": outcome.final_val_loss,
-            "final_train_loss": outcome.final_train_loss, "wall_s": round(outcome.wall_s, 1), "nproc": args.nproc,
-            "run_dir": str(method_dir / "full"), **entry}
+            "final_train_loss": outcome.final_train_loss, "wall_s": wall_s, "nproc": args.nproc,
+            "run_dir": str(spec.out_dir), **entry}
 
 
 # ---- comparison ------------------------------------------------------------------------------------------
@@ -299,7 +359,7 @@ def comparison_config(args: argparse.Namespace, meta: dict) -> dict[str, Any]:
         "total_tokens": args.steps * args.micro_batch * args.seq_len,
         "eval_interval": eval_interval, "eval_samples": args.eval_samples, "seed": args.seed,
         "warmup_steps": args.warmup_steps, "ds_config": args.ds_config, "overrides": list(args.overrides),
-        "nproc": args.nproc, "lr_sweep": {"scales": list(LR_SCALES), "steps": args.steps // SWEEP_STEP_FRACTION},
+        "nproc": args.nproc, "lr_sweep": {"scales": args.lr_scales, "steps": args.sweep_steps},
     }
 
 
