@@ -160,7 +160,8 @@ def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_
     assert entry["lr"] == pytest.approx(0.25 * base) and entry["final_ppl"] == pytest.approx(50.0)
     assert [t for t, _ in entry["curve"]] == [s * 8 * 256 for s in (10, 20, 30, 40)]
     assert entry["run_dir"] == str(tmp_path / "chts24_1of4_row" / "sweep_x0.25")
-    assert payload["config"]["lr_sweep"] == {"scales": [1.0, 0.25, 0.5], "steps": 40}
+    assert [p["scale"] for p in entry["lr_sweep"]["points"]] == [1.0, 0.25, 0.5]
+    assert "lr_sweep" not in payload["config"]   # recorded per method
 
 
 @pytest.mark.parametrize("flag, value, allowed", [("--lr-scales", "0.5,-1", "distinct positive numbers"),

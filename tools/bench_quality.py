@@ -326,6 +326,7 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
             outcomes[s] = (spec, train(args, spec))
             points.append({"scale": s, "lr": lr * s, "dense_lr": dense_lr * s,
                            "final_ppl": outcomes[s][1].final_ppl, "skipped": outcomes[s][1].skipped})
+        # Per method: invocations that extend one JSON may sweep different methods differently.
         entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
         if not finished:
@@ -359,7 +360,7 @@ def comparison_config(args: argparse.Namespace, meta: dict) -> dict[str, Any]:
         "total_tokens": args.steps * args.micro_batch * args.seq_len,
         "eval_interval": eval_interval, "eval_samples": args.eval_samples, "seed": args.seed,
         "warmup_steps": args.warmup_steps, "ds_config": args.ds_config, "overrides": list(args.overrides),
-        "nproc": args.nproc, "lr_sweep": {"scales": args.lr_scales, "steps": args.sweep_steps},
+        "nproc": args.nproc,
     }
 
 
