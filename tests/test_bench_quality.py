@@ -162,6 +162,7 @@ def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_
     assert entry["run_dir"] == str(tmp_path / "chts24_1of4_row" / "sweep_x0.25")
     assert [p["scale"] for p in entry["lr_sweep"]["points"]] == [1.0, 0.25, 0.5]
     assert "lr_sweep" not in payload["config"]   # recorded per method
+    assert bench.sweep_note(entry) == "sweep (40 steps) x1 70.00, x0.25 50.00, x0.5 60.00"
 
 
 @pytest.mark.parametrize("flag, value, allowed", [("--lr-scales", "0.5,-1", "distinct positive numbers"),

@@ -410,8 +410,17 @@ def print_results(methods: dict[str, dict]) -> None:
             continue
         rows.append([name, f"{entry['final_ppl']:.2f}",
                      *(f"{ratios[name][k]:.3f}" if ratios[name][k] is not None else "-"
-                       for k in ("vs_dense", "vs_chts24")), f"{entry['lr']:.3g}", ""])
+                       for k in ("vs_dense", "vs_chts24")), f"{entry['lr']:.3g}", sweep_note(entry)])
     print_table(["method", "final PPL", f"/ {REFERENCE_DENSE}", "/ chts24 same N:M", "lr", "note"], rows)
+
+
+def sweep_note(entry: dict) -> str:
+    """`sweep (375 steps) x0.5 63.67, x1 75.99, x2 162.34`: every point's final PPL; "" for an unswept method."""
+    if "lr_sweep" not in entry:
+        return ""
+    points = ", ".join(f"x{p['scale']:g} " + (f"{p['final_ppl']:.2f}" if p["final_ppl"] is not None else "failed")
+                       for p in entry["lr_sweep"]["points"])
+    return f"sweep ({entry['lr_sweep']['steps']} steps) {points}"
 
 
 def plot(path: Path, methods: dict[str, dict], config: dict[str, Any]) -> None:
