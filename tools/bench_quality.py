@@ -317,15 +317,15 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
     if method in args.lr_sweep:
         full_length = args.sweep_steps == args.steps
         sweep_eval = eval_interval if full_length else args.sweep_steps   # a full-length point may be the result
-        points, outcomes = [], {}
+        outcomes = {}   # scale -> (spec, outcome)
         for i, s in enumerate(args.lr_scales, start=1):
             print(f"{label}: LR sweep {i}/{len(args.lr_scales)}: x{s} (method.lr {lr * s:.3g}, train.lr "
                   f"{dense_lr * s:.3g}), {args.sweep_steps} steps", flush=True)
             spec = RunSpec(f"{method} x{s}", method, args.sweep_steps, sweep_eval, lr * s, dense_lr * s,
                            method_dir / f"sweep_x{s}")
             outcomes[s] = (spec, train(args, spec))
-            points.append({"scale": s, "lr": lr * s, "dense_lr": dense_lr * s,
-                           "final_ppl": outcomes[s][1].final_ppl, "skipped": outcomes[s][1].skipped})
+        points = [{"scale": s, "lr": spec.lr, "dense_lr": spec.dense_lr, "final_ppl": outcome.final_ppl,
+                   "skipped": outcome.skipped} for s, (spec, outcome) in outcomes.items()]
         # Per method: invocations that extend one JSON may sweep different methods differently.
         entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
