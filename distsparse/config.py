@@ -174,7 +174,8 @@ class DataConfig:
 class EngineConfig:
     mode: str = "sharded"              # sharded (owners) | replicated (all-reduce, the oracle)
     reduce_dtype: str = "fp32"         # fp32 | bf16
-    num_buckets: int = 1               # > 1: each bucket's reduce-scatter starts during the last backward
+    num_buckets: int = 4               # > 1: each bucket's reduce-scatter overlaps the rest of the last backward
+    force_collectives: bool = False    # test-only: run the backbone collectives at world size 1 (GPU check)
 
     def __post_init__(self) -> None:
         _choice("engine.mode", self.mode, ("sharded", "replicated"))

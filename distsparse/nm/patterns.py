@@ -45,10 +45,11 @@ def block_motifs(n: int, device: torch.device | str | None = None) -> torch.Tens
 @functools.lru_cache(maxsize=None)
 def _motif_lookup(n: int) -> torch.Tensor:
     # 16-bit block key -> motif id, or -1 when the block is not a legal motif.
-    lut = torch.full((1 << 16,), -1, dtype=torch.int16)
-    weights = 1 << torch.arange(16)
-    keys = (block_motifs(n).view(-1, 16).long() * weights).sum(-1)
-    lut[keys] = torch.arange(keys.numel(), dtype=torch.int16)
+    # Cached on the CPU whatever the default device is; callers move it to their tensors' device.
+    lut = torch.full((1 << 16,), -1, dtype=torch.int16, device="cpu")
+    weights = 1 << torch.arange(16, device="cpu")
+    keys = (block_motifs(n, device="cpu").view(-1, 16).long() * weights).sum(-1)
+    lut[keys] = torch.arange(keys.numel(), dtype=torch.int16, device="cpu")
     return lut
 
 

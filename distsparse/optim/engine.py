@@ -14,7 +14,11 @@ sees nor zeroes them). On the accumulation boundary:
 The bytes on the wire equal one all-reduce of the compressed gradients; Newton-Schulz runs once per matrix and
 optimizer state is split 1/W. `mode="replicated"` all-reduces the buffer and lets every rank update every
 matrix: the same code with every matrix owned locally, kept as the test oracle. With one process every
-collective is skipped.
+collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
+
+Devices (DESIGN decision 17): masters, rule state, gradient buckets and refresh work live on `device`, the one
+DeepSpeed put the model on; every tensor handed to a collective lives on `ddist.comm_device(group)` (the CUDA
+device under NCCL, the CPU under gloo). When the two differ, the wire tensors are staged copies.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distsparse import dist as ddist
 from distsparse.layers import NMSparseLinear
 from distsparse.nm import NMMeta
 from distsparse.optim.matrix_state import move_state
@@ -127,7 +132,8 @@ class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
                  initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1,
-                 gather_chunk: int = GATHER_CHUNK):
+                 gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
+                 force_collectives: bool = False):
         if reset_mode not in ("changed", "all"):
             # TODO: reset mode `none` needs the dense V/P shadow of matrix_state.update_shadow kept per owner.
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed in the engine: changed, all")
@@ -140,6 +146,11 @@ class MatrixEngine:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        if force_collectives and not self.distributed:
+            raise ValueError("engine.force_collectives: got True without a process group; allowed: True only "
+                             "under a distributed launch (it runs the collectives of a world of one)")
+        self.collectives = self.world_size > 1 or force_collectives
+        self.comm_device = ddist.comm_device(group)
         ns_steps = getattr(hparams, "ns_steps", 5)
 
         costs, params = {}, {}
@@ -162,7 +173,7 @@ class MatrixEngine:
             self.matrices[name] = m
         self.shard_size = _align(max(fill))
         self.codes_shard_size = _align(max(codes_fill))
-        device = next(iter(params.values())).device
+        device = torch.device(device) if device is not None else next(iter(params.values())).device
         self.device = device
         self.buckets = self._make_buckets(num_buckets, device)
         self._boundary = False
@@ -226,20 +237,20 @@ class MatrixEngine:
     # ---- phase 1 and 2: reduce and norm ------------------------------------------------------------------
 
     def _launch(self, bucket: GradBucket) -> None:
-        if self.world_size == 1 or bucket.handle is not None:
+        if not self.collectives or bucket.handle is not None:
             return
-        bucket.wire = bucket.buffer.to(self.reduce_dtype)
+        bucket.wire = bucket.buffer.to(self.comm_device, self.reduce_dtype)
         if self.mode == "replicated":
             bucket.handle = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
         else:
-            bucket.out = torch.empty(bucket.shard_size, dtype=self.reduce_dtype, device=bucket.wire.device)
+            bucket.out = torch.empty(bucket.shard_size, dtype=self.reduce_dtype, device=self.comm_device)
             bucket.handle = dist.reduce_scatter_tensor(bucket.out, bucket.wire, group=self.group, async_op=True)
 
     def reduce_gradients(self) -> None:
         """Mean over ranks: owners receive their shard (sharded) or everyone the whole buffer (replicated).
         Buckets already launched from the hooks are only waited for."""
         self._boundary = False
-        if self.world_size == 1:
+        if not self.collectives:
             return
         for bucket in self.buckets:
             self._launch(bucket)
@@ -273,7 +284,8 @@ class MatrixEngine:
 
     def grad_sq_norm(self) -> torch.Tensor:
         total = self.local_grad_sq_norm()
-        if self.world_size > 1:
+        if self.collectives:
+            total = total.to(self.comm_device)
             dist.all_reduce(total, group=self.group)
         return total
 
@@ -319,34 +331,34 @@ class MatrixEngine:
     def _distribute_codes(self) -> None:
         pending = getattr(self, "_pending_codes", {})
         self._pending_codes = {}
-        if self.mode == "replicated" or self.world_size == 1:
+        if self.mode == "replicated" or not self.collectives:
             for name, codes in pending.items():
                 self.matrices[name].module.set_codes(codes)
             return
         sparse = [m for m in self.matrices.values() if m.sparse]
-        send = torch.zeros(self.codes_shard_size, dtype=torch.uint8, device=self.device)
+        send = torch.zeros(self.codes_shard_size, dtype=torch.uint8, device=self.comm_device)
         for m in self.owned():
             if m.sparse:
                 codes = pending.get(m.name, m.module.codes)
                 send[m.codes_offset:m.codes_offset + m.codes_numel] = codes.reshape(-1)
-        recv = torch.empty(self.world_size * self.codes_shard_size, dtype=torch.uint8, device=send.device)
+        recv = torch.empty(self.world_size * self.codes_shard_size, dtype=torch.uint8, device=self.comm_device)
         dist.all_gather_into_tensor(recv, send, group=self.group)
         for m in sparse:
             start = m.owner * self.codes_shard_size + m.codes_offset
-            codes = recv[start:start + m.codes_numel].view(m.module.codes.shape)
+            codes = recv[start:start + m.codes_numel].view(m.module.codes.shape).to(m.module.codes.device)
             if not torch.equal(codes, m.module.codes):
                 m.module.set_codes(codes)
 
     def _distribute_values(self) -> None:
-        if self.mode == "replicated" or self.world_size == 1:
+        if self.mode == "replicated" or not self.collectives:
             for m in self.updated_here():
                 m.param.data.copy_(self.masters[m.name].view(m.param.shape))
             return
         # The shards travel in chunks: a whole-shard gather would stage (W + 1) x shard, 1.7 GiB per rank at 1b.
         dtype = next(iter(self.matrices.values())).param.dtype   # bf16 on the wire when training in bf16
         chunk, w = min(self.gather_chunk, self.shard_size), self.world_size
-        send = torch.empty(chunk, dtype=dtype, device=self.device)
-        recv = torch.empty(w * chunk, dtype=dtype, device=self.device)
+        send = torch.empty(chunk, dtype=dtype, device=self.comm_device)
+        recv = torch.empty(w * chunk, dtype=dtype, device=self.comm_device)
         owned, everyone = self.owned(), list(self.matrices.values())
         for start in range(0, self.shard_size, chunk):
             n = min(chunk, self.shard_size - start)
@@ -365,8 +377,8 @@ class MatrixEngine:
     def grads_finite(self) -> bool:
         """Agreed across ranks: False when any rank's responsible gradients hold inf or nan."""
         bad = torch.stack([(~torch.isfinite(self._own_shard(b))).any() for b in self.buckets]).any()
-        bad = bad.to(torch.float32).reshape(1)
-        if self.world_size > 1:
+        bad = bad.to(self.comm_device, torch.float32).reshape(1)
+        if self.collectives:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         return not bool(bad.item())
 

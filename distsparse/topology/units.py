@@ -71,10 +71,11 @@ def scatter_units(x: torch.Tensor, ids: torch.Tensor, spec: NMSpec, src: torch.T
 
 @functools.lru_cache(maxsize=None)
 def _row_lookup(n: int) -> torch.Tensor:
-    # 4-bit group key -> pattern id in row_patterns(n), -1 for an illegal group.
-    lut = torch.full((1 << M,), -1, dtype=torch.long)
-    keys = (row_patterns(n).long() * (1 << torch.arange(M))).sum(-1)
-    lut[keys] = torch.arange(keys.numel())
+    # 4-bit group key -> pattern id in row_patterns(n), -1 for an illegal group. Cached on the CPU whatever the
+    # default device is; callers move it to their tensors' device.
+    lut = torch.full((1 << M,), -1, dtype=torch.long, device="cpu")
+    keys = (row_patterns(n, device="cpu").long() * (1 << torch.arange(M, device="cpu"))).sum(-1)
+    lut[keys] = torch.arange(keys.numel(), device="cpu")
     return lut
 
 

@@ -47,7 +47,8 @@ class TopologyPolicy:
 
 def refresh_metrics(stats: dict[str, dict], seconds: float) -> dict[str, float]:
     """Per layer type sums over every rank's owned matrices; one all-reduce of a fixed-order vector."""
-    vec = torch.zeros(len(PROJECTIONS), len(STAT_KEYS) + 2, dtype=torch.float64)
+    # Host-side bookkeeping (the stats are Python floats); dist_sum moves it to the collectives' device.
+    vec = torch.zeros(len(PROJECTIONS), len(STAT_KEYS) + 2, dtype=torch.float64, device="cpu")
     for name, s in stats.items():
         row = PROJECTIONS.index(name.rsplit(".", 1)[-1])
         for j, key in enumerate(STAT_KEYS):

@@ -16,6 +16,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -56,20 +57,31 @@ def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.M
     return [{"params": params}]
 
 
-def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group) -> MatrixEngine:
+def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group, *,
+                        initial: dict[str, torch.Tensor], device: torch.device) -> MatrixEngine:
+    """The backbone's engine on `device` (where DeepSpeed put the model), its fp32 masters from `initial`."""
     rule = get_rule(cfg.method.rule)
     try:
         hparams = rule.hparams(lr=cfg.method.lr, **cfg.method.rule_args)
     except TypeError as err:
         raise ValueError(f"method.rule_args: {err}; allowed keys for rule {cfg.method.rule!r}: "
                          f"{', '.join(f for f in rule.hparams.__dataclass_fields__ if f != 'lr')}") from None
-    initial = {name: backbone_param(m).detach().float().clone() for name, m in backbone.items()}
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
                         reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial,
-                        num_buckets=cfg.engine.num_buckets)
+                        num_buckets=cfg.engine.num_buckets, device=device,
+                        force_collectives=cfg.engine.force_collectives)
+
+
+def deepspeed_device_args() -> SimpleNamespace | None:
+    """DeepSpeed places the model on CUDA device LOCAL_RANK unless told otherwise, an invalid ordinal where a cluster
+    binds one GPU per task: hand it the device the launcher selected (distsparse.launch_env)."""
+    return SimpleNamespace(device_rank=torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 class Trainer:
+    """One run: the model, DeepSpeed's engine (dense side), the matrix engine (backbone), data, policies and
+    checkpoints. The launcher has initialized the process group and selected this process's CUDA device."""
+
     def __init__(self, cfg: Config, ds_config: dict):
         import deepspeed
 
@@ -83,12 +95,16 @@ class Trainer:
             if isinstance(module, DenseLatentLinear):
                 # SR-STE adds lambda_w * W in every backward, unscaled by DeepSpeed's 1/grad_accum.
                 module.lambda_w /= cfg.train.grad_accum
-        # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6).
-        self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group())
+        # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6); the engine
+        # is built after DeepSpeed has moved the model, on the same device (DESIGN decision 17).
+        initial = {name: backbone_param(m).detach().float().clone() for name, m in self.backbone.items()}
         self.engine, _, _, _ = deepspeed.initialize(
-            model=self.model, model_parameters=dense_side_parameters(self.model, self.backbone),
+            args=deepspeed_device_args(), model=self.model,
+            model_parameters=dense_side_parameters(self.model, self.backbone),
             config=ds_config, lr_scheduler=self._dense_scheduler)
         self.device = self.engine.device
+        self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group(), initial=initial, device=self.device)
+        del initial
         self.dtype = resolve_dtype(cfg)
         self.train_data = TokenDataset(cfg.data.dir, "train", cfg.data.seq_len)
         self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
