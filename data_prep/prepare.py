@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -317,4 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as err:   # bad input: one line naming the file or option, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

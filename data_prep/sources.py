@@ -235,7 +235,7 @@ def file_documents(pattern: str, text: TextOptions = TextOptions()) -> Iterator[
     found = 0
     for path in tqdm(paths, desc="files: read", unit="file"):
         docs = read_file_documents(path, text)
-        if not docs:
+        if not docs and len(paths) > 1:
             log.warning("no documents in %s", path)
         found += len(docs)
         yield from docs
