@@ -51,11 +51,23 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def default_file_mode() -> int:
-    """The mode `open()` gives a new file: 0666 less the process umask (read without changing it for good)."""
-    umask = os.umask(0o022)
+def process_umask() -> int:
+    """The umask, read from /proc on Linux; elsewhere set and restored, which briefly changes it for every thread
+    of the process (a file another thread creates in that instant gets 0o077's mode: never more permissive)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o077)
     os.umask(umask)
-    return 0o666 & ~umask
+    return umask
+
+
+def default_file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the process umask."""
+    return 0o666 & ~process_umask()
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
