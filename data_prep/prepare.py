@@ -3,6 +3,7 @@
     python -m data_prep.prepare --source stdlib-docs --out data/stdlib [--vocab-size 4096]
         [--tokenizer-type bpe|unigram] [--tokenizer DIR_OR_.model] [--mode packed|truncate_pad] [--seq-len 256]
         [--val-fraction 0.02] [--num-proc N] [--max-docs N] [--seed 0] [--tokenizer-train-chars N]
+        [--encoding utf-8] [--errors strict|replace|ignore]
 
 Writes into DIR: `tokenizer/` (SentencePiece model plus the HF files, `AutoTokenizer.from_pretrained(DIR/tokenizer)`
 loads it), `train.bin`, `val.bin` and `meta.json` (written last: a directory without it is not a finished
@@ -26,6 +27,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -35,7 +37,7 @@ import numpy as np
 import sentencepiece as spm
 from tqdm import tqdm
 
-from data_prep.sources import load_documents, parse_source
+from data_prep.sources import ERRORS, TextOptions, load_documents, parse_source
 from data_prep.tokenizer import (
     MODEL_FILE, TOKENIZER_TYPES, check_hf_tokenizer, resolve_model_file, save_hf_tokenizer, sha256_file, special_ids,
     train_sentencepiece,
@@ -66,10 +68,13 @@ class PrepConfig:
     max_docs: int | None = None       # first N documents of the source
     seed: int = 0
     tokenizer_train_chars: int = 3_000_000  # bounds tokenizer training time (a seeded sample of train lines)
+    encoding: str = "utf-8"           # files: sources only
+    errors: str = "strict"            # files: sources: strict | replace | ignore undecodable bytes
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         parse_source(self.source)  # raises on an unknown scheme
+        TextOptions(self.encoding, self.errors)  # raises on an unknown codec or errors mode
         if self.mode not in MODES:
             raise ValueError(f"--mode: got {self.mode!r}; allowed: {', '.join(MODES)}")
         if self.tokenizer_type not in TOKENIZER_TYPES:
@@ -97,7 +102,10 @@ def prepare(cfg: PrepConfig) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
     (cfg.out / "meta.json").unlink(missing_ok=True)
 
-    docs = load_documents(parse_source(cfg.source), max_docs=cfg.max_docs, num_proc=cfg.num_proc)
+    docs = load_documents(parse_source(cfg.source), max_docs=cfg.max_docs, num_proc=cfg.num_proc,
+                          text=TextOptions(cfg.encoding, cfg.errors))
+    if len(docs) == 0:
+        raise ValueError(f"--source {cfg.source}: no documents in it; allowed: a source with non-blank text")
     train_idx, val_idx = split_documents(len(docs), cfg.val_fraction, cfg.seed)
     splits = {"train": docs.select(train_idx), "val": docs.select(val_idx)}
     log.info("documents: %d train, %d val", len(train_idx), len(val_idx))
@@ -296,6 +304,10 @@ def parse_args(argv: list[str] | None = None) -> PrepConfig:
     parser.add_argument("--seed", type=int, default=PrepConfig.seed)
     parser.add_argument("--tokenizer-train-chars", type=int, default=PrepConfig.tokenizer_train_chars,
                         help="characters of train text the tokenizer is trained on (bounds training time)")
+    parser.add_argument("--encoding", default=PrepConfig.encoding, help="codec of files: sources (default utf-8)")
+    parser.add_argument("--errors", choices=ERRORS, default=PrepConfig.errors,
+                        help="undecodable bytes in files: sources: strict (refuse, naming the file and offset), "
+                             "replace (U+FFFD), ignore (drop); a file mostly undecodable is refused as not text")
     args = parser.parse_args(argv)
     return PrepConfig(**{k.replace("-", "_"): v for k, v in vars(args).items()})
 
@@ -306,4 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as err:   # bad input: one line naming the file or option, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -15,21 +15,29 @@ in a deterministic order. It does not tokenize or split (prepare.py does). resea
   documents at info node separators (0x1f) when the file has them, else at blank lines (paragraphs);
   `.jsonl` / `.jsonl.gz` with a `text` field per line; `.parquet` with a `text` column. One info node is a
   natural document (a manual section); paragraphs are the closest unit in plain prose.
+  Files are decoded with `TextOptions` (`--encoding`, default utf-8; `--errors`, default strict: the first
+  undecodable byte is an error naming the file and offset; `replace`/`ignore` replace or drop such bytes). A file
+  whose share of undecodable bytes and control characters exceeds MAX_NOT_TEXT_SHARE is refused as not text,
+  whatever `--errors` says: a tokenizer trained on binary data learns garbage pieces. Every read, decode or parse
+  error names the file; a glob whose files hold no document is refused naming them.
 """
 
 from __future__ import annotations
 
 import ast
+import codecs
 import contextlib
 import gc
 import glob
 import gzip
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import re
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -37,7 +45,17 @@ from typing import Iterable, Iterator
 import datasets
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
+
 ALLOWED_SOURCES = "stdlib-docs, hf:NAME[:CONFIG], files:GLOB"
+ERRORS = ("strict", "replace", "ignore")
+# Real prose has next to no control characters; random or binary bytes decode to several percent of them.
+MAX_NOT_TEXT_SHARE = 0.01
+# Control characters text files do hold: tab, newline, vertical tab, form feed, carriage return, and the info
+# format's node separator 0x1f and tag-table separator DEL 0x7f. Every other C0 character and the C1 block count
+# against MAX_NOT_TEXT_SHARE.
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1e\x80-\x9f]")
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")   # an undecodable byte under the surrogateescape handler
 ALLOWED_FILE_TYPES = ".txt, .gz (text, e.g. .txt.gz, .info.gz), .jsonl, .jsonl.gz, .parquet"
 # Shorter comment blocks are mostly tags (`# noqa`, `# type: ignore`, `# XXX`), not prose.
 MIN_COMMENT_CHARS = 20
@@ -58,6 +76,23 @@ _COMMENT_OR_STRING = re.compile(
 )
 _INFO_NODE_SEPARATOR = "\x1f"
 _BLANK_LINES = re.compile(r"\n[ \t]*\n")
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How `files:` sources decode bytes: a Python codec name and what to do with bytes it cannot decode."""
+
+    encoding: str = "utf-8"
+    errors: str = "strict"
+
+    def __post_init__(self) -> None:
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"--encoding: got {self.encoding!r}; allowed: a Python codec name, e.g. utf-8, "
+                             "latin-1, cp1252") from None
+        if self.errors not in ERRORS:
+            raise ValueError(f"--errors: got {self.errors!r}; allowed: {', '.join(ERRORS)}")
 
 
 @dataclass(frozen=True)
@@ -83,11 +118,13 @@ def parse_source(spec: str) -> Source:
     raise ValueError(f"--source: got {spec!r}; allowed: {ALLOWED_SOURCES}")
 
 
-def load_documents(source: Source, *, max_docs: int | None = None, num_proc: int = 1) -> datasets.Dataset:
-    """The source's documents (non-blank, in source order, at most `max_docs`) as a Dataset with column `text`."""
+def load_documents(source: Source, *, max_docs: int | None = None, num_proc: int = 1,
+                   text: TextOptions = TextOptions()) -> datasets.Dataset:
+    """The source's documents (non-blank, in source order, at most `max_docs`) as a Dataset with column `text`;
+    `text` decodes `files:` sources."""
     if source.kind == "hf":
         return _hf_documents(source, max_docs)
-    docs = stdlib_documents(num_proc) if source.kind == "stdlib-docs" else file_documents(source.arg)
+    docs = stdlib_documents(num_proc) if source.kind == "stdlib-docs" else file_documents(source.arg, text)
     return datasets.Dataset.from_dict({"text": list(itertools.islice(docs, max_docs))})
 
 
@@ -188,15 +225,23 @@ def _flush_comment_block(block: list[str], line: int, found: list[tuple[int, str
 
 # ----------------------------------------------------------------------------------------------------- files
 
-def file_documents(pattern: str) -> Iterator[str]:
+def file_documents(pattern: str, text: TextOptions = TextOptions()) -> Iterator[str]:
     """Documents of every file matching `pattern` (sorted), by file type (module docstring)."""
     paths = sorted(glob.glob(pattern, recursive=True))
     if not paths:
         raise ValueError(f"--source files:{pattern}: no file matches this glob; allowed types: {ALLOWED_FILE_TYPES}")
     for path in paths:
         _file_kind(path)  # refuse an unknown type before any work
+    found = 0
     for path in tqdm(paths, desc="files: read", unit="file"):
-        yield from read_file_documents(path)
+        docs = read_file_documents(path, text)
+        if not docs and len(paths) > 1:
+            log.warning("no documents in %s", path)
+        found += len(docs)
+        yield from docs
+    if not found:
+        raise ValueError(f"--source files:{pattern}: no documents in {', '.join(paths)}; allowed: files holding "
+                         f"non-blank text")
 
 
 def _file_kind(path: str) -> str:
@@ -210,37 +255,88 @@ def _file_kind(path: str) -> str:
     raise ValueError(f"--source files: file {path!r} has an unsupported type; allowed: {ALLOWED_FILE_TYPES}")
 
 
-def read_file_documents(path: str) -> list[str]:
-    """The non-blank documents of one file."""
+def read_file_documents(path: str, text: TextOptions = TextOptions()) -> list[str]:
+    """The non-blank documents of one file; ValueError naming the file for anything unreadable or not text."""
     kind = _file_kind(path)
+    undecodable = 0
     if kind == "parquet":
-        import pyarrow.parquet as pq  # datasets depends on pyarrow
-
-        schema = pq.read_schema(path)
-        if "text" not in schema.names:
-            raise ValueError(f"{path}: parquet file has no 'text' column; columns: {schema.names}")
-        docs: Iterable[str] = pq.read_table(path, columns=["text"]).column("text").to_pylist()
-    elif kind == "jsonl":
-        docs = list(_jsonl_texts(path))
+        docs: Iterable[str] = _parquet_texts(path)
     else:
-        docs = split_text_documents(_read_text(path))
-    return [doc for doc in docs if doc and doc.strip()]
+        content, undecodable = read_text(path, text)
+        docs = list(_jsonl_texts(path, content)) if kind == "jsonl" else split_text_documents(content)
+    docs = [doc for doc in docs if doc and doc.strip()]
+    check_is_text(path, docs, undecodable, text)
+    return docs
 
 
-def _read_text(path: str) -> str:
-    opener = gzip.open if path.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        return f.read()
+def check_is_text(path: str, docs: list[str], undecodable: int, text: TextOptions = TextOptions()) -> None:
+    """Refuse a file whose undecodable bytes plus control characters exceed MAX_NOT_TEXT_SHARE of its text."""
+    chars = sum(len(doc) for doc in docs) + (undecodable if text.errors == "ignore" else 0)
+    control = sum(len(_CONTROL.findall(doc)) for doc in docs)
+    share = (undecodable + control) / max(1, chars)
+    if share > MAX_NOT_TEXT_SHARE:
+        raise ValueError(f"{path}: not text: {share:.1%} of it is undecodable bytes ({undecodable}, as "
+                         f"{text.encoding}) or control characters ({control}); allowed: at most "
+                         f"{MAX_NOT_TEXT_SHARE:.0%} (is it {text.encoding}? --encoding names another encoding)")
 
 
-def _jsonl_texts(path: str) -> Iterator[str]:
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
+def read_bytes(path: str) -> bytes:
+    """The file's bytes, gunzipped for `.gz`; ValueError naming the file when it cannot be read."""
+    gz = path.lower().endswith(".gz")
+    try:
+        if gz:
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        with open(path, "rb") as f:
+            return f.read()
+    except (OSError, EOFError, zlib.error) as err:   # gzip.BadGzipFile is an OSError
+        what = "gzip-compressed" if gz else "readable"
+        raise ValueError(f"{path}: not a {what} file ({err}); allowed types: {ALLOWED_FILE_TYPES}") from None
+
+
+def read_text(path: str, text: TextOptions = TextOptions()) -> tuple[str, int]:
+    """(decoded text, number of undecodable bytes): `strict` refuses the first one naming its offset, `replace`
+    puts U+FFFD in its place, `ignore` drops it."""
+    data = read_bytes(path)
+    try:
+        decoded = data.decode(text.encoding, "strict" if text.errors == "strict" else "surrogateescape")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: byte {err.start} is not valid {text.encoding} ({err.reason}); allowed: "
+                         f"{text.encoding} text; --encoding names another encoding, --errors replace or ignore "
+                         f"replaces or drops undecodable bytes") from None
+    undecodable = len(_ESCAPED_BYTE.findall(decoded))
+    if undecodable:
+        log.warning("%s: %d undecodable bytes (as %s) %s", path, undecodable, text.encoding,
+                    "replaced by U+FFFD" if text.errors == "replace" else "dropped")
+        decoded = _ESCAPED_BYTE.sub("\ufffd" if text.errors == "replace" else "", decoded)
+    return decoded, undecodable
+
+
+def _jsonl_texts(path: str, content: str) -> Iterator[str]:
+    for lineno, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
-        record = json.loads(line)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}); allowed: one "
+                             f"JSON object with a string 'text' field per line") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f"{path}:{lineno}: a .jsonl line must be an object with a string 'text' field")
         yield record["text"]
+
+
+def _parquet_texts(path: str) -> list[str]:
+    import pyarrow as pa  # datasets depends on pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+        if "text" not in schema.names:
+            raise ValueError(f"{path}: parquet file has no 'text' column; columns: {schema.names}")
+        return pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
 
 
 def split_text_documents(text: str) -> list[str]:

@@ -63,6 +63,12 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"model.hidden_size: got {self.hidden_size}; allowed: a multiple of "
                              f"model.num_attention_heads ({self.num_attention_heads})")
+        head_dim = self.hidden_size // self.num_attention_heads
+        if head_dim % 2:   # RoPE rotates pairs of dimensions (transformers refuses odd head dims too)
+            heads = self.num_attention_heads
+            raise ValueError(f"model.hidden_size: got {self.hidden_size} with model.num_attention_heads {heads}, "
+                             f"a head dimension of {head_dim}; allowed: an even head dimension (RoPE rotates "
+                             f"pairs), e.g. hidden_size {(head_dim - 1) * heads} or {(head_dim + 1) * heads}")
 
     @property
     def ffn_width(self) -> int:
@@ -251,8 +257,30 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def read_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)
+CONFIG_MAPPING = "a YAML mapping of config sections (model, method, data, engine, train, checkpoint)"
+
+
+def read_yaml(text: str, source: str = "YAML", allowed: str = CONFIG_MAPPING) -> Any:
+    """Parsed YAML; ValueError naming `source` (a file or an override) and where the text stops being YAML."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{source}: not valid YAML{where}: {problem}; allowed: {allowed}") from None
+
+
+def read_yaml_file(path: Path, source: str) -> Any:
+    """A YAML file's content; ValueError naming `source` and the file when it cannot be read or parsed."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ValueError(f"{source}: cannot read {str(path)!r} ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{source}: {str(path)!r} is not UTF-8 text (byte {err.start}); allowed: a YAML "
+                         f"file") from None
+    return read_yaml(text, f"{source} {path}")
 
 
 def _type_ok(value: Any, tp: Any) -> bool:
@@ -309,7 +337,7 @@ def _expand_presets(raw: dict) -> dict:
             if not path.exists():
                 names = sorted(p.stem for p in (CONFIG_ROOT / folder).glob("*.yaml"))
                 raise ValueError(f"{section}.preset: got {sec['preset']!r}; allowed: {', '.join(names)}")
-            base = read_yaml(path.read_text()) or {}
+            base = read_yaml_file(path, f"{section}.preset") or {}
             out[section] = _deep_merge(base, sec)
     return out
 
@@ -319,7 +347,8 @@ def parse_override(item: str) -> dict:
     if "=" not in item:
         raise ValueError(f"override {item!r}: expected key=value, e.g. train.steps=100")
     key, text = item.split("=", 1)
-    value = read_yaml(text) if text else ""
+    value = read_yaml(text, f"override {item!r}", "a YAML value, e.g. train.steps=100 or train.lr=1e-3") \
+        if text else ""
     for part in reversed(key.strip().split(".")):
         value = {part: value}
     return value
@@ -332,7 +361,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         p = Path(path)
         if not p.exists():
             raise ValueError(f"--config: got {str(p)!r}; the file does not exist")
-        raw = read_yaml(p.read_text()) or {}
+        raw = read_yaml_file(p, "--config") or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"--config {p}: got a YAML {type(raw).__name__}; allowed: {CONFIG_MAPPING}")
     for item in overrides:
         raw = _deep_merge(raw, parse_override(item))
     return build_dataclass(Config, _expand_presets(raw), "")

@@ -10,7 +10,7 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.models import backbone_param
-from distsparse.train.checkpoint import CheckpointError, CheckpointManager
+from distsparse.checkpoint import CheckpointError, CheckpointManager
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
 
@@ -119,8 +119,8 @@ def test_truncated_file_is_refused_by_name_and_auto_falls_back(tmp_path):
         d = root / f"step{step:08d}"
         (d / "backbone").mkdir(parents=True)
         (d / "backbone" / "rank00000.safetensors").write_bytes(b"x" * 100)
-        from distsparse.train.checkpoint import _sha256
-        files = {"backbone/rank00000.safetensors": {"bytes": 100, "sha256": _sha256(d / "backbone/rank00000.safetensors")}}
+        from distsparse.checkpoint.files import sha256_file
+        files = {"backbone/rank00000.safetensors": {"bytes": 100, "sha256": sha256_file(d / "backbone/rank00000.safetensors")}}
         (d / "manifest.json").write_text(json.dumps({"format_version": 1, "step": step, "world_size": 1,
                                                      "files": files, "owners": {}}))
     (root / "latest").write_text("step00000004")
@@ -141,7 +141,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(ranks2, data_dir, t
 
 
 def _crash_second_save(rank, world_size, data_dir, out_dir):
-    from distsparse.train import checkpoint as ck
+    from distsparse.checkpoint import manager as ck
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", "checkpoint.interval=2",
                                     "train.steps=6", "checkpoint.save_at_end=false"])

@@ -32,7 +32,9 @@ def test_quotes_are_not_needed_for_sparsity_in_overrides():
 
 
 def _data_dir(tmp_path, vocab=300, mode="packed", seq_len=64):
-    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": vocab, "mode": mode, "seq_len": seq_len}))
+    meta = {"vocab_size": vocab, "mode": mode, "seq_len": seq_len, "dtype": "uint16",
+            "num_tokens": {"train": 1000, "val": 100}, "eos_id": 2, "pad_id": 3}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
     return str(tmp_path)
 
 
@@ -55,7 +57,7 @@ def test_seq_len_above_max_positions_is_refused(tmp_path):
 
 
 def test_widths_not_divisible_by_four_are_refused(tmp_path):
-    cfg = load_config(None, [f"data.dir={_data_dir(tmp_path)}", "model.hidden_size=66", "model.num_attention_heads=2"])
+    cfg = load_config(None, [f"data.dir={_data_dir(tmp_path)}", "model.hidden_size=66", "model.num_attention_heads=1"])
     with pytest.raises(ValueError, match="model.hidden_size.*66.*multiple of 4"):
         validate(cfg)
 

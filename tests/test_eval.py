@@ -14,14 +14,15 @@ import torch.nn as nn
 from distsparse.config import config_to_dict, load_config
 from distsparse.data import TokenDataset, collate, validation_batches
 from distsparse.eval import perplexity as ppl_module
-from distsparse.eval.cli import load_model
-from distsparse.eval.perplexity import loss_sums, perplexity
+from distsparse.eval.load import load_model
+from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.layers import NMSparseLinear
 from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.nm import encode, random_mask
 from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
-from distsparse.train.checkpoint import CheckpointManager
+from distsparse.checkpoint import CheckpointManager
+from distsparse.checkpoint.manifest import DIGEST_KEY, sealed_text
 from synthetic_data import make_data_dir
 from rankpool import import_tool
 
@@ -84,6 +85,7 @@ def char_tokenizer():
 
 class _NoDeepSpeed:
     """CheckpointManager.save hands DeepSpeed its part; the evaluation loader never reads DeepSpeed files."""
+    save_non_zero_checkpoint = save_zero_checkpoint = False   # DeepSpeed's writer flags: this rank wrote nothing
 
     def save_checkpoint(self, root, tag, save_latest):
         pass
@@ -225,8 +227,9 @@ def test_checkpoint_that_does_not_match_its_manifest_is_refused_naming_the_file(
     copy = tmp_path / checkpoint["path"].name
     shutil.copytree(checkpoint["path"], copy)
     manifest = json.loads((copy / "manifest.json").read_text())
+    manifest.pop(DIGEST_KEY)
     manifest["config"]["method"]["permutation"].update(mode="learned", block_size=16)
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.json").write_text(sealed_text(manifest))   # an intact manifest of another model
     assert ppl_module.main([str(copy), "--data", checkpoint["data"]]) == 2
     err = capsys.readouterr().err   # the manifest now asks for permutations the saved files do not hold
     assert "dense_state.safetensors" in err and "permutation.theta::master" in err and "does not match" in err

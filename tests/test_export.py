@@ -1,7 +1,11 @@
 """HF export and consolidation (issue 7 item 6): exported models give the training model's logits through
-AutoModelForCausalLM; input-dependent branches are refused by name; the consolidated file holds every parameter."""
+AutoModelForCausalLM; input-dependent branches are refused by name; the consolidated file loads strictly into a
+LlamaForCausalLM; files get the mode the umask gives; an export records the run's sequence length (issue 18 item 6)."""
 
+import json
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -126,23 +130,75 @@ def test_como_branch_is_refused_with_the_branch_named(ranks2, tok_data, tools, t
     assert export_hf.main([run["ckpt"], str(tmp_path / "hf")]) == 2
 
 
-def test_consolidated_file_holds_every_parameter_and_the_decompressed_backbone(runs, tools, tmp_path):
+def _llama_from_checkpoint(ckpt):
+    """An empty LlamaForCausalLM of the checkpoint's shape, built from its manifest alone."""
+    from transformers import LlamaForCausalLM
+    from distsparse.checkpoint.manifest import read_manifest
+    from distsparse.config import Config, build_dataclass
+    from distsparse.models import llama_config
+    manifest = read_manifest(Path(ckpt))
+    cfg = build_dataclass(Config, manifest["config"], "")
+    return LlamaForCausalLM(llama_config(cfg.model, manifest["vocab_size"])).eval()
+
+
+def test_consolidated_file_loads_strictly_into_llama_with_the_n_m_backbone_and_the_training_logits(runs, tools,
+                                                                                                  tmp_path):
+    from safetensors.torch import load_file
+    _, consolidate = tools
+    run = runs["backbone"]
+    assert consolidate.main([run["ckpt"], str(tmp_path / "all.safetensors")]) == 0
+    model = _llama_from_checkpoint(run["ckpt"])
+    model.load_state_dict(load_file(str(tmp_path / "all.safetensors")), strict=True)
+    spec = NMSpec.parse("1:4", "row")
+    for key in (k for k in run["tensors"] if k.endswith(".codes")):
+        name = key.removesuffix(".codes")
+        expected = _reference_dense(run["tensors"][f"{name}.values"], run["tensors"][key], spec)
+        torch.testing.assert_close(model.get_submodule(name).weight.double(), expected, rtol=0, atol=0)
+    with torch.no_grad():
+        assert (model(input_ids=PROBE_IDS).logits - run["logits"]).abs().max() < 1e-5
+
+
+def test_consolidated_lora_model_folds_the_branch_and_its_training_state_holds_every_parameter(runs, tools,
+                                                                                              tmp_path):
     from safetensors.torch import load_file
     _, consolidate = tools
     run = runs["lora"]
-    assert consolidate.main([run["ckpt"], str(tmp_path / "all.safetensors")]) == 0
-    state = load_file(str(tmp_path / "all.safetensors"))
-    trained = run["tensors"]
-    params = [k for k in trained if not k.endswith(".codes")]   # the tiny model's only buffers are codes
-    assert len(params) > 0 and all(torch.equal(state[k], trained[k]) for k in params)
-    spec = NMSpec.parse("1:4", "row")
-    codes = [k for k in trained if k.endswith(".core.codes")]
-    assert len(codes) == 14   # 2 layers x 7 projections, each a SparseProjection around its compressed core
-    for key in codes:
-        projection = key.removesuffix(".core.codes")
-        assert torch.equal(state[key], trained[key])
-        expected = _reference_dense(trained[f"{projection}.core.values"], trained[key], spec)
-        torch.testing.assert_close(state[f"{projection}.decompressed_weight"].double(), expected, rtol=0, atol=0)
+    assert consolidate.main([run["ckpt"], str(tmp_path / "all.safetensors"), "--training-state",
+                             str(tmp_path / "training.safetensors")]) == 0
+    model = _llama_from_checkpoint(run["ckpt"])
+    model.load_state_dict(load_file(str(tmp_path / "all.safetensors")), strict=True)
+    with torch.no_grad():
+        assert (model(input_ids=PROBE_IDS).logits - run["logits"]).abs().max() < 1e-5
+    training = load_file(str(tmp_path / "training.safetensors"))
+    assert training.keys() == run["tensors"].keys()
+    assert all(torch.equal(training[k], run["tensors"][k]) for k in training)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_and_consolidated_files_get_the_mode_the_umask_gives(runs, tools, tmp_path, umask):
+    export_hf, consolidate = tools
+    previous = os.umask(umask)
+    try:
+        out = export_hf.export(runs["backbone"]["ckpt"], tmp_path / "hf")
+        assert consolidate.main([runs["backbone"]["ckpt"], str(tmp_path / "all.safetensors")]) == 0
+    finally:
+        os.umask(previous)
+    for path in (out / "model.safetensors", out / "backbone_compressed.safetensors", out / "config.json",
+                 tmp_path / "all.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_perplexity_of_an_export_uses_the_run_sequence_length_recorded_in_its_config(runs, tok_data, tools,
+                                                                                    tmp_path):
+    from distsparse.eval import perplexity as ppl_module
+    export_hf, _ = tools
+    out = export_hf.export(runs["backbone"]["ckpt"], tmp_path / "hf")
+    args = ["--data", tok_data, "--max-samples", "4", "--device", "cpu"]
+    assert ppl_module.main([str(out), *args, "--json", str(tmp_path / "hf.json")]) == 0
+    assert ppl_module.main([runs["backbone"]["ckpt"], *args, "--json", str(tmp_path / "ckpt.json")]) == 0
+    from_hf, from_ckpt = (json.loads((tmp_path / f).read_text()) for f in ("hf.json", "ckpt.json"))
+    assert from_hf["seq_len"] == from_ckpt["seq_len"] == 32   # BASE's data.seq_len, not the data's prepared 256
+    assert from_hf["ppl"] == pytest.approx(from_ckpt["ppl"], rel=1e-5)
 
 
 def test_exported_shuffled_model_folds_its_permutations_and_gives_the_training_logits(ranks2, tok_data, tools,

@@ -6,7 +6,7 @@
 
 MODEL is a Hugging Face folder (tools/export_hf.py's output), evaluated through lm-eval's `HFLM(pretrained=path)`,
 or a project checkpoint (step directory or root), whose training model is rebuilt in memory
-(distsparse.eval.cli.load_model) and wrapped as `HFLM(pretrained=model)`: the way to evaluate models whose branches
+(distsparse.eval.load.load_model) and wrapped as `HFLM(pretrained=model)`: the way to evaluate models whose branches
 are input-dependent and do not export (DESIGN decision 13). Its tokenizer is the run's `data.dir`/tokenizer unless
 --tokenizer names another folder.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
-from distsparse.eval.cli import DTYPES, is_checkpoint, load_model
+from distsparse.eval.load import DTYPES, is_checkpoint, load_model
 from distsparse.eval.lm_eval_adapter import check_tasks_offline, evaluate, load_task_manager, make_lm
 
 DEFAULT_TASKS = "wikitext,lambada_openai,sciq,arc_easy"

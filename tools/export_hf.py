@@ -30,8 +30,11 @@ before T_perm) is refused with the projection named. Then, as distsparse/layers/
 Input-dependent branches (CoMoLoRA `como`, `prod_gate`) do not fold into a weight: they are refused with the branch
 named (no trust_remote_code variant); evaluate such models in memory.
 
-The model is rebuilt from the manifest's config and loaded from the project's fp32 files (distsparse.eval.checkpoint_model,
-`load_trained_model`, permutations included); no DeepSpeed file is unpickled. DIR defaults to the run's `data.dir`; its
+The model is rebuilt from the manifest's config and loaded from the project's fp32 files (distsparse.checkpoint.model,
+`load_trained_model`, permutations included); no DeepSpeed file is unpickled. The weights come from
+distsparse/eval/hf_weights.py (tools/consolidate.py writes the same ones). config.json records the run under
+`distsparse` (seq_len, step, tokenizer_sha256): the perplexity command takes its default sequence length from there.
+Files are written with the mode a plain `open()` gives (0644 under the usual umask 022). DIR defaults to the run's `data.dir`; its
 tokenizer must be the one the run trained with (the manifest's `tokenizer_sha256`).
 """
 
@@ -46,19 +49,18 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from benchlib import print_table
-from consolidate import decompressed_weight
-from distsparse.eval.checkpoint_model import TrainedModel, load_trained_model
+from distsparse.checkpoint.files import save_safetensors
+from distsparse.checkpoint.model import TrainedModel, load_trained_model
+from distsparse.data import load_meta
+from distsparse.eval.hf_weights import hf_state_dict, input_permutations, unfoldable
+from distsparse.eval.load import EXPORT_KEY
 from distsparse.layers import NMSparseLinear
-from distsparse.layers.branches import FOLDABLE_KINDS, foldable
 from distsparse.layers.dense_latent import DenseLatentLinear
 from distsparse.layers.fold import fold_permutations
-from distsparse.layers.permutation import BlockPermutation
-from distsparse.layers.projection import SparseProjection
-from distsparse.models import backbone_modules, llama_config, projection_names
+from distsparse.models import backbone_modules, llama_config
 from distsparse.nm import compress
 
 log = logging.getLogger("distsparse")
@@ -67,29 +69,9 @@ COMPRESSED_FILE = "backbone_compressed.safetensors"
 
 def check_exportable(trained: TrainedModel) -> None:
     """ValueError naming what cannot become a plain LlamaForCausalLM: an input-dependent branch, a soft permutation."""
-    kind = trained.cfg.method.branch.kind
-    if not foldable(kind):
-        raise ValueError(
-            f"method.branch.kind: got {kind!r}; a {kind} branch is input-dependent (its output is modulated by a "
-            f"function of x), so it does not fold into a LlamaForCausalLM weight. Allowed for export: "
-            f"{', '.join(FOLDABLE_KINDS)}. Evaluate this model in memory (distsparse.eval) instead")
-    for name, perm in input_permutations(trained.model).items():
-        if not perm.all_hard():
-            raise ValueError(
-                f"{name}: {int((~perm.hard_mask).sum())} of {perm.num_blocks} input permutation blocks are still "
-                f"soft (a doubly stochastic mix, not a gather): folded into the weight it would give W M, a dense "
-                f"matrix, not an N:M sparse one. Export a checkpoint saved at or after T_perm "
-                f"(method.permutation.t_perm_fraction), when every block is hard")
-
-
-def input_permutations(model: nn.Module) -> dict[str, BlockPermutation]:
-    """Projection name -> the input permutation it still applies (shared ones appear under each reader)."""
-    out = {}
-    for name in projection_names(model):
-        outer = model.get_submodule(name)
-        if isinstance(outer, SparseProjection) and outer.permutation is not None:
-            out[name] = outer.permutation
-    return out
+    reason = unfoldable(trained)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def fold_for_export(model: nn.Module, require_nm: bool = False) -> dict[str, dict]:
@@ -103,31 +85,6 @@ def fold_for_export(model: nn.Module, require_nm: bool = False) -> dict[str, dic
             f"cannot hold a gather; without --require-nm the export writes W[:, inv] for it, exact but N:M "
             f"sparse only in the permuted column order")
     return fold_permutations(model)
-
-
-@torch.no_grad()
-def projection_weight(outer: nn.Module) -> torch.Tensor:
-    """[O, I] fp32: x W^T equals the projection's output (backbone with its input gather in its columns, plus a
-    folded LoRA branch, which reads the unpermuted x)."""
-    if not isinstance(outer, SparseProjection):
-        return decompressed_weight(outer).float()
-    weight = decompressed_weight(outer.core).float()
-    if outer.permutation is not None:
-        weight = weight[:, outer.permutation.inverse_indices()]    # W (x[perm]) = W[:, inv] x
-    if outer.branch is not None:
-        weight = weight + outer.branch.delta_weight().float()
-    return weight
-
-
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """HF LlamaForCausalLM names: the training model's own parameters outside the projections (HF names already)
-    and one `<projection>.weight` per projection."""
-    names = projection_names(model)
-    inside = {id(p) for name in names for p in model.get_submodule(name).parameters()}
-    state = {n: p.detach().float().contiguous() for n, p in model.named_parameters() if id(p) not in inside}
-    for name in names:
-        state[f"{name}.weight"] = projection_weight(model.get_submodule(name)).contiguous()
-    return state
 
 
 @torch.no_grad()
@@ -158,11 +115,11 @@ def compressed_backbone(trained: TrainedModel) -> tuple[dict[str, torch.Tensor],
 
 def copy_tokenizer(trained: TrainedModel, data_dir: Path, out: Path) -> dict:
     """Copy DIR/tokenizer/* into OUT after checking it is the run's tokenizer; returns the data's meta.json."""
-    tok_dir, meta_path = data_dir / "tokenizer", data_dir / "meta.json"
-    if not tok_dir.is_dir() or not meta_path.exists():
-        raise ValueError(f"--data: got {str(data_dir)!r}; it needs tokenizer/ and meta.json (a directory written by "
-                         f"python -m data_prep.prepare)")
-    meta = json.loads(meta_path.read_text())
+    tok_dir = data_dir / "tokenizer"
+    meta = load_meta(data_dir, key="--data")
+    if not tok_dir.is_dir():
+        raise ValueError(f"--data: got {str(data_dir)!r}; it has no tokenizer/ folder (a directory written by "
+                         f"python -m data_prep.prepare has one)")
     want, have = trained.checkpoint.manifest.get("tokenizer_sha256", ""), meta.get("tokenizer_sha256", "")
     if want and want != have:
         raise ValueError(f"--data: got {str(data_dir)!r}, whose tokenizer (sha256 {have[:12]}...) is not the one "
@@ -180,7 +137,7 @@ def save_hf_model(model: nn.Module, config: LlamaConfig, out: Path) -> None:
     its input permutations first (check_exportable, fold_for_export)."""
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(out)
-    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})
 
 
 def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None = None,
@@ -200,10 +157,13 @@ def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None 
     config.use_cache = True
     config.dtype = "float32"
     config.bos_token_id, config.eos_token_id, config.pad_token_id = meta["bos_id"], meta["eos_id"], meta["pad_id"]
+    # The run's sequence length and tokenizer travel with the weights: the perplexity command and lm-eval read them.
+    setattr(config, EXPORT_KEY, {"seq_len": trained.cfg.data.seq_len, "step": trained.checkpoint.manifest["step"],
+                                 "tokenizer_sha256": trained.checkpoint.manifest.get("tokenizer_sha256", "")})
     save_hf_model(trained.model, config, out)
     tensors, metadata = compressed_backbone(trained)
     if tensors:
-        save_file(tensors, str(out / COMPRESSED_FILE), metadata=metadata)
+        save_safetensors(tensors, out / COMPRESSED_FILE, metadata=metadata)
     return out
 
 

@@ -22,20 +22,28 @@ IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index,
 META_KEYS = ("vocab_size", "dtype", "mode", "seq_len", "num_tokens", "eos_id", "pad_id")
 
 
-def load_meta(data_dir: str | Path) -> dict:
-    """meta.json of a prepared directory; ValueError naming the missing directory, file or key."""
+def load_meta(data_dir: str | Path, key: str = "data_dir") -> dict:
+    """meta.json of a prepared directory, the one place it is read; ValueError naming `key` (the setting that gave
+    the directory), the directory, and the missing or damaged file or key."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise ValueError(f"data_dir: got {str(data_dir)!r}, which is not a directory; allowed: a directory "
-                         "written by `python -m data_prep.prepare --out DIR`")
+        raise ValueError(f"{key}: got {str(data_dir)!r}, which is not a directory; allowed: a directory written by "
+                         f"`python -m data_prep.prepare --out DIR`, e.g. python -m data_prep.prepare --source "
+                         f"stdlib-docs --out {data_dir}")
     meta_file = data_dir / "meta.json"
     if not meta_file.is_file():
-        raise ValueError(f"data_dir: {str(data_dir)!r} has no meta.json (missing file: {meta_file}); allowed: a "
+        raise ValueError(f"{key}: {str(data_dir)!r} has no meta.json (missing file: {meta_file}); allowed: a "
                          "finished `python -m data_prep.prepare --out DIR` (meta.json is written last)")
-    meta = json.loads(meta_file.read_text())
-    missing = [key for key in META_KEYS if key not in meta]
+    try:
+        meta = json.loads(meta_file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{key}: {meta_file} is not valid UTF-8 JSON ({err}); re-run data_prep.prepare") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{key}: {meta_file} holds a JSON {type(meta).__name__}, not an object; re-run "
+                         "data_prep.prepare")
+    missing = [k for k in META_KEYS if k not in meta]
     if missing:
-        raise ValueError(f"{meta_file}: missing keys {missing}; re-run data_prep.prepare")
+        raise ValueError(f"{key}: {meta_file} misses keys {missing}; re-run data_prep.prepare")
     return meta
 
 

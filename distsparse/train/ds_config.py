@@ -14,6 +14,7 @@ import torch
 from distsparse.config import Config
 
 SUPPORTED_STAGES = (1, 2)
+OBJECT_SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "optimizer.params")   # parents first
 
 
 def resolve_dtype(cfg: Config) -> str:
@@ -42,9 +43,18 @@ def build_ds_config(path: str | Path, cfg: Config) -> dict:
     if not p.exists():
         raise ValueError(f"--ds_config: got {str(p)!r}; the file does not exist")
     try:
-        source = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--ds_config: {p} is not valid JSON: {err}") from None
+        source = json.loads(p.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--ds_config: {p} is not valid UTF-8 JSON: {err}") from None
+    if not isinstance(source, dict):
+        raise ValueError(f"--ds_config: {p} holds a JSON {type(source).__name__}; allowed: a JSON object of "
+                         f"DeepSpeed settings, e.g. configs/ds/zero2.json")
+    for key in OBJECT_SECTIONS:   # read below with .get(); anything but an object would fail as AttributeError
+        node = source
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None and not isinstance(node, dict):
+            raise ValueError(f"--ds_config {key}: got {node!r} in {p}; allowed: a JSON object")
     ds = json.loads(json.dumps(source))
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in SUPPORTED_STAGES:

@@ -21,15 +21,15 @@ from types import SimpleNamespace
 import torch
 
 from distsparse import dist as ddist
+from distsparse.checkpoint import CheckpointManager, resume_changes
 from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
-from distsparse.eval.perplexity import loss_sums, perplexity
+from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.layers.branches import mean_aux_loss
 from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
-from distsparse.train.checkpoint import CheckpointManager
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.permutation_policy import PermutationPolicy
@@ -224,6 +224,9 @@ class Trainer:
             log.info("resume %s: no checkpoint under %s, starting fresh", which, self.checkpoints.root)
             return
         m = ckpt.manifest
+        changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
+        if changes:
+            log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
         if m["world_size"] == self.world_size:
             self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name)
         else:

@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
+from distsparse.checkpoint import check_resume
 from distsparse.config import Config
+from distsparse.data import load_meta
 
 
 def validate(cfg: Config) -> dict:
     """Raise ValueError naming key, value and what is allowed; return the data's meta.json."""
-    meta_path = Path(cfg.data.dir) / "meta.json"
-    if not meta_path.exists():
-        raise ValueError(f"data.dir: got {cfg.data.dir!r}; no meta.json there. Prepare data first: "
-                         f"python -m data_prep.prepare --source stdlib-docs --out {cfg.data.dir}")
-    meta = json.loads(meta_path.read_text())
+    meta = load_meta(cfg.data.dir, key="data.dir")
     if cfg.model.vocab_size and meta["vocab_size"] > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got {cfg.model.vocab_size}; the data in {cfg.data.dir} has vocab "
                          f"{meta['vocab_size']}; allowed: >= {meta['vocab_size']} (or 0 to take it from the data)")
     if cfg.data.seq_len > cfg.model.max_position_embeddings:
         raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; allowed: <= model.max_position_embeddings "
                          f"({cfg.model.max_position_embeddings})")
-    if meta.get("mode") == "truncate_pad" and cfg.data.seq_len != meta.get("seq_len"):
+    if meta["mode"] == "truncate_pad" and cfg.data.seq_len != meta["seq_len"]:
         raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; data in {cfg.data.dir} is truncate_pad at "
-                         f"{meta.get('seq_len')}; allowed: {meta.get('seq_len')}")
+                         f"{meta['seq_len']}; allowed: {meta['seq_len']}")
     spec = cfg.method.spec
     if spec is not None:
         spec.check_shape(cfg.model.ffn_width, cfg.model.hidden_size, name="model.hidden_size")
         spec.check_shape(cfg.model.hidden_size, cfg.model.ffn_width, name="model.intermediate_size (rounded)")
         if spec.layout == "block" and cfg.model.hidden_size % 4:
             raise ValueError(f"model.hidden_size: got {cfg.model.hidden_size}; block-wise needs a multiple of 4")
+    check_resume(cfg, meta)
     return meta

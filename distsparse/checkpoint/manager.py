@@ -1,45 +1,50 @@
-"""Sharded, atomic checkpoints: DeepSpeed's part, the backbone engine's per-owner shards, a manifest.
+"""Sharded, atomic checkpoints: save, find (verified, agreed on by every rank) and load.
 
 Layout of `root/` (DESIGN decision 6):
 
     latest                          tag of the newest complete checkpoint, written last (tmp + rename)
     step00000120/
       manifest.json                 rank 0: format, world size, owner map, step, consumed samples, config,
-                                    tokenizer checksum, NS coefficients, FFN rounding, size + sha256 of files
+                                    tokenizer checksum, NS coefficients, FFN rounding; every other file with its
+                                    size, sha256 and the rank that wrote (and hashed) it; its own digest
       backbone/rank00000.safetensors  each rank: fp32 master, codes and rule state of the matrices it owns
       dense_state.safetensors       rank 0: the dense side's fp32 masters and Adam moments by parameter name,
                                     so a run can resume on another world size (ZeRO files are per-partition)
       registry.safetensors          rank 0: state of registered components (e.g. permutations)
       rng/rank00000.json            each rank: python, numpy and torch RNG states
-      mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed (loaded by DeepSpeed only)
+      mp_rank_00_model_states.pt    DeepSpeed, written by its data-parallel writer (rank 0)
+      zero_pp_rank_<r>_mp_rank_00_optim_states.pt   DeepSpeed, rank r's ZeRO partition (bf16_ prefix in bf16)
 
 A checkpoint is written under `.tmp-<tag>/`, made durable, then renamed: a crash mid-save leaves the previous
-checkpoint as `latest`. Project files are safetensors or JSON (no pickle); a truncated or corrupt file is
-refused by name and `--resume auto` falls back to the previous complete checkpoint.
+checkpoint as `latest`. Each rank hashes the files it wrote; the digests are gathered into the manifest. Before
+anything is loaded, every rank checks the manifest and the file sizes, hashes the files it wrote (manifest.py's
+`verifier`), and one collective decides: `resume=auto` falls back past a checkpoint any rank found damaged, an
+explicit path is refused; either way the file is named. Project files are safetensors or JSON (no pickle).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
-import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from distsparse import dist as ddist
+from distsparse.checkpoint.files import (
+    SEP, flatten_states, fsync_dir, rng_state, save_safetensors, set_rng_state, sha256_and_sync, unflatten_states,
+    write_text_atomic,
+)
+from distsparse.checkpoint.manifest import (
+    FORMAT_VERSION, MANIFEST, CheckpointError, candidates, read_manifest, sealed_text, tag_for, verify_digests,
+)
 
 log = logging.getLogger("distsparse")
-FORMAT_VERSION = 1
-SEP = "::"   # flat safetensors key: "<matrix name>::<state key>"
 
 
 class Stateful(Protocol):
@@ -47,72 +52,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def flatten_states(states: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {f"{name}{SEP}{key}": t.detach().contiguous().cpu() for name, s in states.items() for key, t in s.items()}
-
-
-def unflatten_states(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        name, _, sub = key.rpartition(SEP)
-        out.setdefault(name, {})[sub] = t
-    return out
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {"python": repr(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": torch.get_rng_state().tolist()}
-
-
-def set_rng_state(state: dict) -> None:
-    import ast
-    random.setstate(ast.literal_eval(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-
-
 @dataclass
 class LoadedCheckpoint:
     path: Path
     manifest: dict
+
+
+def deepspeed_files(ds_engine, root: Path, tag: str) -> list[str]:
+    """The files `ds_engine.save_checkpoint(root, tag)` wrote on this rank, relative to the checkpoint directory,
+    by DeepSpeed's own naming and writer flags: the module file on its data-parallel writer, the ZeRO partition
+    named by this rank's data-parallel rank. (Its recovery scripts go to `root`, outside the checkpoint.)"""
+    written = []
+    if ds_engine.save_non_zero_checkpoint:
+        written.append(ds_engine._get_ckpt_name(str(root), tag))
+    if ds_engine.save_zero_checkpoint:
+        written.append(ds_engine._get_zero_ckpt_name(str(root), tag))
+    return [Path(p).relative_to(root / tag).as_posix() for p in written]
 
 
 class CheckpointManager:
@@ -138,34 +93,43 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         ddist.barrier()
         ds_engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
-        written = self._write_rank_files(tmp, matrix_engine)
+        written = deepspeed_files(ds_engine, self.root, tmp_tag) + self._write_rank_files(tmp, matrix_engine)
         if self.rank == 0:
             if dense_state is not None:
-                save_file(dense_state, str(tmp / "dense_state.safetensors"))
+                save_safetensors(dense_state, tmp / "dense_state.safetensors")
                 written.append("dense_state.safetensors")
             if registry:
                 flat = flatten_states({name: obj.state_dict() for name, obj in registry.items()})
-                save_file(flat, str(tmp / "registry.safetensors"))
+                save_safetensors(flat, tmp / "registry.safetensors")
                 written.append("registry.safetensors")
-        all_written = [f for files in ddist.gather_objects(written) for f in files]
+        mine = {rel: self._describe(tmp / rel) for rel in written}
+        files = {rel: info for part in ddist.gather_objects(mine) for rel, info in part.items()}
         if self.rank == 0:
-            files = {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in all_written}
+            # A file no rank claimed (a DeepSpeed version writing something new) is still listed and hashed.
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                if f.relative_to(tmp).as_posix() not in files:
+                    files[f.relative_to(tmp).as_posix()] = self._describe(f)
             full = {"format_version": FORMAT_VERSION, "tag": tag, "step": step, "world_size": self.world_size,
                     "owners": matrix_engine.owners, "files": files, **manifest}
-            (tmp / "manifest.json").write_text(json.dumps(full, indent=1))
-            _fsync_tree(tmp)
+            write_text_atomic(tmp / MANIFEST, sealed_text(full))
+            for folder in sorted({(tmp / rel).parent for rel in files} | {tmp}):
+                fsync_dir(folder)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _write_text_atomic(self.root / "latest", tag)
+            fsync_dir(self.root)
+            write_text_atomic(self.root / "latest", tag)
             self._prune()
         ddist.barrier()
         return final
+
+    def _describe(self, path: Path) -> dict:
+        return {"bytes": path.stat().st_size, "sha256": sha256_and_sync(path), "rank": self.rank}
 
     def _write_rank_files(self, tmp: Path, matrix_engine) -> list[str]:
         rel = [f"backbone/rank{self.rank:05d}.safetensors", f"rng/rank{self.rank:05d}.json"]
         (tmp / "backbone").mkdir(parents=True, exist_ok=True)
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        save_file(flatten_states(matrix_engine.state_dict()), str(tmp / rel[0]))
+        save_safetensors(flatten_states(matrix_engine.state_dict()), tmp / rel[0])
         (tmp / rel[1]).write_text(json.dumps(rng_state()))
         return rel
 
@@ -176,45 +140,27 @@ class CheckpointManager:
 
     # ---- find and verify -----------------------------------------------------------------------------------
 
-    def verify(self, path: Path) -> dict:
-        """The manifest of a complete checkpoint, or CheckpointError naming the missing or corrupt file."""
-        manifest_path = path / "manifest.json"
-        if not manifest_path.exists():
-            raise CheckpointError(f"checkpoint {path}: manifest.json is missing (incomplete save?)")
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"checkpoint {manifest_path}: not valid JSON ({err})") from None
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {manifest_path}: format_version {manifest.get('format_version')!r}; "
-                                  f"this code reads {FORMAT_VERSION}")
-        for rel, info in manifest["files"].items():
-            f = path / rel
-            if not f.exists():
-                raise CheckpointError(f"checkpoint file {f} is missing")
-            if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
-                raise CheckpointError(f"checkpoint file {f} is truncated or corrupt "
-                                      f"({f.stat().st_size} bytes, manifest says {info['bytes']})")
-        return manifest
-
-    def find(self, resume: str) -> LoadedCheckpoint | None:
-        """`auto`: the newest complete checkpoint under root (falling back past corrupt ones with a warning),
-        None when there is none; otherwise a checkpoint directory, refused with an error if unusable."""
-        if resume != "auto":
-            path = Path(resume)
-            return LoadedCheckpoint(path, self.verify(path))
-        if not self.root.exists():
-            return None
-        tags = sorted((p.name for p in self.root.glob("step*") if p.is_dir()), reverse=True)
-        latest = (self.root / "latest").read_text().strip() if (self.root / "latest").exists() else None
-        if latest in tags:   # `latest` first, then older ones
-            tags.remove(latest)
-            tags.insert(0, latest)
-        for tag in tags:
+    def find(self, resume: str, wanted: Callable[[str], bool] = lambda rel: True) -> LoadedCheckpoint | None:
+        """Collective. `auto`: the newest checkpoint under root that every rank found intact (falling back past
+        damaged ones with a warning naming the file), None when there is none; otherwise the checkpoint directory
+        `resume`, refused with CheckpointError naming the file if any rank found it damaged. `wanted` limits the
+        digest checks to the files the caller will read (evaluation reads no DeepSpeed file)."""
+        explicit = resume != "auto"
+        for path in [Path(resume)] if explicit else candidates(self.root):
+            manifest = None
             try:
-                return LoadedCheckpoint(self.root / tag, self.verify(self.root / tag))
+                manifest = read_manifest(path)
+                errors = verify_digests(path, manifest, self.rank, self.world_size, wanted)
             except CheckpointError as err:
-                log.warning("resume auto: skipping %s: %s", tag, err)
+                errors = [str(err)]
+            # One collective per candidate: every rank sees every rank's findings, so all take the same branch.
+            found = sorted({e for part in ddist.gather_objects(errors) for e in part})
+            if not found:
+                return LoadedCheckpoint(path, manifest)
+            if explicit:
+                raise CheckpointError("; ".join(found))
+            if self.rank == 0:
+                log.warning("resume auto: skipping %s: %s", path, "; ".join(found))
         return None
 
     # ---- load ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The training model of a project checkpoint, rebuilt from its manifest config and loaded from the project's
 own fp32 files (backbone masters and codes, dense-side masters, registered permutation state): no DeepSpeed
-pickle is read. Evaluation, export and consolidation all start here.
+pickle is read, and only the files read are hashed. Evaluation, export and consolidation all start here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from distsparse.config import Config, build_dataclass
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.models import backbone_modules, backbone_param, build_model
-from distsparse.train.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, unflatten_states
+from distsparse.checkpoint.files import unflatten_states
+from distsparse.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from distsparse.checkpoint.manifest import MANIFEST, CheckpointError, deepspeed_file
 
 DENSE_STATE = "dense_state.safetensors"
 REGISTRY = "registry.safetensors"
@@ -30,15 +32,19 @@ class TrainedModel:
     vocab_size: int
 
 
+def project_file(rel: str) -> bool:
+    return not deepspeed_file(rel)
+
+
 def find_checkpoint(path: str | Path) -> LoadedCheckpoint:
-    """A verified checkpoint: `path` itself when it holds manifest.json, else the newest complete one under it."""
+    """A verified checkpoint: `path` itself when it holds manifest.json, else the newest intact one under it."""
     path = Path(path)
-    if (path / "manifest.json").exists():
-        return CheckpointManager(path.parent).find(str(path))
+    if (path / MANIFEST).exists():
+        return CheckpointManager(path.parent).find(str(path), wanted=project_file)
     if not path.is_dir():
         raise ValueError(f"CKPT: got {str(path)!r}; allowed: a checkpoint directory (holding manifest.json) or a "
                          f"checkpoint root (holding `latest` and step* directories)")
-    found = CheckpointManager(path).find("auto")
+    found = CheckpointManager(path).find("auto", wanted=project_file)
     if found is None:
         raise ValueError(f"CKPT: got {str(path)!r}; no complete checkpoint under it")
     return found

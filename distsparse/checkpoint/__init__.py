@@ -1,0 +1,16 @@
+"""Run checkpoints, for training (save, verified resume, resume compatibility) and for evaluation and export
+(`distsparse.checkpoint.model.load_trained_model`, imported from there: it builds the model).
+
+    files.py     digests, durable writes, safetensors with the user's file mode, RNG state as JSON
+    manifest.py  the manifest and the checks made before anything is loaded
+    manager.py   CheckpointManager: collective save, find (verified, agreed on by every rank), load
+    compat.py    the saved run's config against the resuming run's, before any process group starts
+    model.py     the training model of a checkpoint, from the project's own files
+"""
+
+from distsparse.checkpoint.compat import check_resume, checkpoint_root, resume_changes
+from distsparse.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from distsparse.checkpoint.manifest import CheckpointError, tag_for
+
+__all__ = ["CheckpointError", "CheckpointManager", "LoadedCheckpoint", "check_resume", "checkpoint_root",
+           "resume_changes", "tag_for"]
