@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distsparse.train.checkpoint import CheckpointManager
+from distsparse.checkpoint import CheckpointManager
 from launch import slurm
 from synthetic_data import make_data_dir
 
