@@ -136,9 +136,10 @@ def test_steps_are_run_under_their_limits_and_everything_comes_back_as_three_sma
 
 def test_train_check_runs_the_real_trainer_and_its_resumed_run_continues_bit_identically(tmp_path):
     out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    # A world of one, also when the suite itself runs inside a SLURM job or under torchrun.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, str(ROOT / "tools/gpu_train_check.py"), "--out", str(tmp_path / "runs"),
                           "--json", str(out), "--model", "tiny", "--vocab", "512", "--steps", "8", "--save-at", "4",
                           "--refresh-interval", "3", "--micro-batch", "2", "--seq-len", "32"],
