@@ -121,8 +121,9 @@ def test_steps_are_run_under_their_limits_and_everything_comes_back_as_three_sma
     assert fig["chts_1of4_tans_over_dense_adamw"] == bench["chts_1of4_tans_over_dense_adamw"]
     phases = bench["phases_s"]["chtsnm_nobranch_1of4_row"]
     assert fig["tans_share_of_step_350m"] == pytest.approx(phases["backbone_step"] / phases["step"])
-    assert fig["train"]["350m"]["optimizer_share_of_step"]["dense_adamw"] == pytest.approx(
+    assert fig["train_350m"]["dense_adamw"]["optimizer_share_of_step"] == pytest.approx(
         bench["phases_s"]["dense_adamw"]["optimizer"] / bench["phases_s"]["dense_adamw"]["step"])
+    assert fig["train_350m"]["dense_adamw"]["mfu"] == bench["mfu"]["dense_adamw"]
     assert fig["resume_bit_identical"] is True and fig["machine"] == bench["machine"] and "config" in fig
     assert fig["steps"]["hangs"]["rc"] == 124 and fig["steps"]["install_target"]["rc"] is None
     assert fig["steps"]["bench_layer"]["note"] == "skipped: no CUDA device"

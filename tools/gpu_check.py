@@ -190,31 +190,32 @@ def _read(work: Path, name: str | None) -> dict | None:
         return None
 
 
-def train_figures(bench: dict) -> dict[str, Any]:
-    """From one bench_train JSON: the ratio, MFU, tokens/s and the shares of the step."""
-    phases = bench["phases_s"]
-    return {
-        "chts_1of4_tans_over_dense_adamw": bench["chts_1of4_tans_over_dense_adamw"],
-        "tokens_per_s": bench["tokens_per_s"],
-        "mfu": bench["mfu"],
-        "optimizer_share_of_step": {m: p["optimizer"] / p["step"] for m, p in phases.items()},
-        "tans_share_of_step": phases[CHTS_ROW]["backbone_step"] / phases[CHTS_ROW]["step"],
-        "refresh_share_of_step": phases[CHTS_ROW]["refresh"] / (phases[CHTS_ROW]["step"] + phases[CHTS_ROW]["refresh"]),
-    }
+def train_rows(bench: dict) -> dict[str, dict[str, Any]]:
+    """From one bench_train JSON, per row: tokens/s, its ratio to dense AdamW, MFU, and the shares of the step
+    taken by the optimizer phase, the backbone rule step (TANS for the CHTs row) and the amortized refresh."""
+    rows = {}
+    for method, p in bench["phases_s"].items():
+        effective = p["step"] + p["refresh"]
+        rows[method] = {"tokens_per_s": bench["tokens_per_s"][method],
+                        "over_dense_adamw": bench["over_dense_adamw"][method], "mfu": bench["mfu"][method],
+                        "optimizer_share_of_step": p["optimizer"] / p["step"],
+                        "backbone_step_share_of_step": p["backbone_step"] / p["step"],
+                        "refresh_share_of_step": p["refresh"] / effective}
+    return rows
 
 
 def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str, Any]:
     """The check's results in docs/results/*.json shape: named figures at the top, then machine and config."""
     data = {s.name: _read(work, s.json) for s in steps if s.json}
     out: dict[str, Any] = {}
-    per_size = {size: train_figures(data[f"bench_train_{size}"]) for size in ("60m", "350m")
+    per_size = {size: train_rows(data[f"bench_train_{size}"]) for size in ("60m", "350m")
                 if data.get(f"bench_train_{size}")}
-    if "350m" in per_size:
-        out["chts_1of4_tans_over_dense_adamw"] = per_size["350m"]["chts_1of4_tans_over_dense_adamw"]
-        out["tans_share_of_step_350m"] = per_size["350m"]["tans_share_of_step"]
-    if "60m" in per_size:
-        out["chts_1of4_tans_over_dense_adamw_60m"] = per_size["60m"]["chts_1of4_tans_over_dense_adamw"]
-    out["train"] = per_size
+    for size, rows in per_size.items():
+        suffix = "" if size == "350m" else f"_{size}"   # the issue's target is at 350m
+        out[f"chts_1of4_tans_over_dense_adamw{suffix}"] = rows[CHTS_ROW]["over_dense_adamw"]
+        out[f"tans_share_of_step_{size}"] = rows[CHTS_ROW]["backbone_step_share_of_step"]
+    for size, rows in per_size.items():
+        out[f"train_{size}"] = rows
     check = data.get("train_check")
     if check:
         out["resume_bit_identical"] = check["resume_bit_identical"]
@@ -236,10 +237,14 @@ def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str,
         "command": "tools/gpu_check.sh OUTDIR",
         "steps": {s.name: " ".join(s.argv).replace(str(work), "<scratch>") for s in steps},
         "bench_train": {size: data[f"bench_train_{size}"]["config"] for size in per_size},
+        "ratio": "chts_1of4_tans_over_dense_adamw: bench_train's paired tokens/s ratio of CHTs 1:4 + TANS "
+                 "(chtsnm_nobranch_1of4_row) to dense AdamW at 350m; _60m: the same at 60m",
         "targets": {"chts_1of4_tans_over_dense_adamw": ">= 0.90 at 350m (paper: 0.75 on an RTX 5080)",
                     "tans_share_of_step_350m": "<= 0.05"},
-        "shares": "optimizer_share_of_step = optimizer / step; tans_share_of_step = backbone_step (TANS rule, "
-                  "refresh excluded) / step of the CHTs 1:4 + TANS row (tools/bench_train.py phases)",
+        "shares": "optimizer_share_of_step = optimizer / step; backbone_step_share_of_step = backbone_step / "
+                  "step, which for the CHTs 1:4 + TANS row is tans_share_of_step_<size> (the TANS rule step, "
+                  "refresh excluded); refresh_share_of_step = amortized refresh / (step + it) "
+                  "(tools/bench_train.py phases, medians)",
     }
     return out
 
@@ -252,13 +257,13 @@ def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
         lines.append(f"{o.name:{width}s}  {rc:>4s}  {o.seconds:7.1f}  {o.limit_s:5d}  {o.note}")
     lines.append("")
     for key in ("chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m", "tans_share_of_step_350m",
-                "resume_bit_identical"):
+                "tans_share_of_step_60m", "resume_bit_identical"):
         if key in fig:
             lines.append(f"{key} = {fig[key]}")
-    for size, f in fig.get("train", {}).items():
-        mfu = {m: (None if v is None else round(v, 3)) for m, v in f["mfu"].items()}
-        share = {m: round(v, 3) for m, v in f["optimizer_share_of_step"].items()}
-        lines.append(f"{size}: mfu {mfu}; optimizer share of step {share}")
+    for size in ("60m", "350m"):
+        for method, row in fig.get(f"train_{size}", {}).items():
+            cells = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            lines.append(f"{size} {method}: {cells}")
     if "inference_2of4_speedup" in fig:
         lines.append(f"2:4 inference speedup: {fig['inference_2of4_speedup']}")
     return "\n".join(lines) + "\n"
