@@ -1,7 +1,9 @@
 """Entry point: `deepspeed launch/pretrain.py --ds_config configs/ds/zero2.json --config X.yaml [key=value ...]`.
 
-Also runs under `torchrun` and plain `python` (one process). Parses and validates everything before any
-process group starts, then hands the run to the trainer (torchtitan's train.py shape).
+Also runs under `torchrun`, as one of `srun`'s tasks, inside launch/slurm.py's jobs and under plain `python` (one
+process); distsparse/launch_env.py tells them apart and refuses a multi-task launch it cannot place. Parses and
+validates everything before any process group starts, then hands the run to the trainer (torchtitan's train.py
+shape).
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ import argparse
 import json
 import logging
 import os
-import socket
+import signal
 import sys
+from dataclasses import asdict
+from pathlib import Path
 
 import yaml
 
+from distsparse import launch_env
 from distsparse.config import config_to_dict, load_config
 from distsparse.train.ds_config import build_ds_config
 from distsparse.train.validate import validate
@@ -27,18 +32,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--dry-run", action="store_true", help="build the model, print parameter counts, exit")
+    p.add_argument("--result-json", default=None,
+                   help="write the run's result (step, losses, preempted and by which signal) to this file from "
+                        "each node's first process (launch/slurm.py --launcher torchrun reads it)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
     return p.parse_args(argv)
 
 
-def _single_process_env() -> None:
-    """Plain `python`: a world of one on a free local port."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def write_result(path: str, result, received: int | None) -> None:
+    """The trainer's result as JSON, written atomically (the launcher reads it after the workers exit)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {**asdict(result), "signal": signal.Signals(received).name if received else None}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    os.replace(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,18 +70,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:28s} {value:>14,d}")
         return 0
 
+    try:
+        env = launch_env.resolve_here()
+    except launch_env.LaunchError as err:
+        print(f"launch error: {err}", file=sys.stderr)
+        return 2
     import deepspeed
     import torch
-    _single_process_env()
+    device = launch_env.apply(env)   # the GPU is chosen before the process group starts
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    if int(os.environ.get("RANK", "0")) != 0:
+    if env.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
+    logging.info(launch_env.describe(env, device))
     from distsparse.train.trainer import Trainer
     trainer = Trainer(cfg, ds_config)
     try:
-        trainer.train()
+        result = trainer.train()
+        received = trainer.preemption.received
     finally:
         trainer.close()
+    if args.result_json and env.local_rank == 0:
+        write_result(args.result_json, result, received)
     return 0
 
 

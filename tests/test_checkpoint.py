@@ -102,7 +102,9 @@ def _train_single(data_dir, out_dir, overrides):
     script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
     args = [sys.executable, "-c", script, "--ds_config", "configs/ds/zero2.json"] + BASE + [
         f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    # A world of one even inside a multi-task SLURM allocation (launch_env would refuse an unplaceable launch).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     subprocess.run(args, check=True, env=env, cwd=Path(__file__).resolve().parent.parent)

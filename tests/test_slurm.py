@@ -1,6 +1,7 @@
-"""launch/slurm.py (issue 7 item 5): a job run through submitit's local executor is interrupted by the timeout
-signal, checkpoints, is requeued by submitit and resumes to the end; cluster options reach the sbatch file;
-bad arguments are refused before anything is submitted.
+"""launch/slurm.py (issue 7 item 5, issue 15 item 2): a job run through submitit's local executor is interrupted by
+the timeout signal, checkpoints, is requeued by submitit and resumes to the end, with one task per rank and with
+one torchrun per node; cluster options reach the sbatch file; `train.dtype: auto` is resolved on the node that
+trains; bad arguments are refused before anything is submitted.
 
 submitit's `LocalJob._interrupt()` cannot be used: it sends USR2 to the local controller process, which has no
 handler for it and dies (the tasks are orphaned, nothing is requeued). The test sends USR2 to the rank-0 task
@@ -8,16 +9,23 @@ itself, which is what SLURM does for submitit (`--signal=USR2@signal_delay_s`) a
 does to its tasks `signal_delay_s` before the time limit.
 """
 
+import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import cloudpickle
+import psutil
 import pytest
+import torch
 
 from distsparse.checkpoint import CheckpointManager
-from launch import slurm
+from distsparse.launch_env import free_port
+from distsparse.train.trainer import TrainResult
+from launch import pretrain, slurm
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,16 +77,23 @@ def _loss_steps(out_dir: Path) -> list[int]:
     return [e.step for e in ea.Scalars("loss/train")]
 
 
-def test_local_job_interrupted_by_the_timeout_signal_is_requeued_and_resumes_to_the_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("launcher", ["tasks", "torchrun"])
+def test_local_job_interrupted_by_the_timeout_signal_is_requeued_and_resumes_to_the_end(launcher, tmp_path,
+                                                                                        monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data = make_data_dir(tmp_path / "data")
     out = tmp_path / "run"
-    job = slurm.submit(["--executor", "local", "--tasks-per-node", "2", "--time", "10",
+    job = slurm.submit(["--executor", "local", "--launcher", launcher, "--tasks-per-node", "2", "--time", "10",
                         "--output-dir", str(tmp_path / "submitit"), *TRAIN, f"data.dir={data}", f"train.out_dir={out}"])
     try:
         rank0 = _task_pid(job, 0)
         _wait_for(lambda: "step 2/" in _read(job.paths.stderr), job, "training to start")
-        os.kill(rank0, signal.SIGUSR2)   # to rank 0 only, as SLURM and submitit do
+        os.kill(rank0, signal.SIGUSR2)   # to rank 0's task only (torchrun: the node's task), as submitit does
+        if launcher == "torchrun":
+            # SLURM may signal every process of the step: torchrun itself must survive USR2 (the workers here get
+            # it only through the node task's forwarding).
+            for torchrun in psutil.Process(rank0).children():
+                torchrun.send_signal(signal.SIGUSR2)
         end = time.monotonic() + DEADLINE_S
         while not job.done() and time.monotonic() < end:
             time.sleep(0.2)
@@ -95,7 +110,9 @@ def test_local_job_interrupted_by_the_timeout_signal_is_requeued_and_resumes_to_
     assert 2 <= k < STEPS and Path(resumed.group(1)).name == f"step{k:08d}"
     # Both incarnations together logged every step once: the counter continued from the checkpoint.
     assert _loss_steps(out) == list(range(1, STEPS + 1))
-    assert [r["step"] for r in results] == [STEPS, STEPS] and not any(r["preempted"] for r in results)
+    assert f"launch: {'submitit' if launcher == 'tasks' else 'torchrun'}, rank 0 of world 2" in log
+    # tasks: one result per rank; torchrun: one per node task.
+    assert [r["step"] for r in results] == [STEPS] * len(results) and not any(r["preempted"] for r in results)
     final = CheckpointManager(out / "checkpoints").find("auto")
     assert final.manifest["step"] == STEPS and final.manifest["world_size"] == 2
 
@@ -134,6 +151,101 @@ def test_bad_arguments_are_refused_before_anything_is_submitted(tmp_path, capsys
         assert message in capsys.readouterr().err
     assert not sub.exists()
 
+
+
+class _ExportedByHand:
+    """submitit's TorchDistributedEnvironment outside a job: the test has already set what export() sets."""
+
+    rank = 0
+
+    def export(self, **kwargs):
+        return self
+
+
+class _TrainerThatRecords:
+    seen: dict = {}
+
+    def __init__(self, cfg, ds_config):
+        _TrainerThatRecords.seen = {"cfg": cfg, "ds_config": ds_config}
+        self.preemption = SimpleNamespace(received=None, previous={})
+
+    def train(self):
+        return TrainResult(step=1, train_loss=1.0, val_loss=1.0, val_ppl=2.7)
+
+    def close(self):
+        pass
+
+
+def test_auto_dtype_is_resolved_on_the_node_that_trains_not_on_the_submitting_machine(tmp_path, monkeypatch):
+    """Submitted from a CPU login node, run on a GPU node: the job's DeepSpeed config has bf16 and DeepSpeed's
+    fused Adam (no torch_adam), as `build_ds_config` gives on the GPU node itself."""
+    import deepspeed
+
+    import distsparse.train.trainer as trainer_module
+    from distsparse.config import load_config
+    from distsparse.train.ds_config import build_ds_config
+
+    data = make_data_dir(tmp_path / "data")
+    ds_file = tmp_path / "zero2_fused_adam.json"   # no torch_adam: the dense side's Adam is left to the node
+    ds_file.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW",
+                                                                                   "params": {"eps": 1e-8}}}))
+    train = ["--ds_config", str(ds_file), *[a for a in TRAIN[2:] if not a.startswith("train.dtype=")],
+             f"data.dir={data}", "train.dtype=auto"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)            # the login node
+    cfg, carried = slurm.resolve_run(pretrain.parse_args(train))
+    job = cloudpickle.loads(cloudpickle.dumps(slurm.TrainingJob(cfg, carried)))   # what submitit stores and loads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)             # the GPU node
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)   # restored after the test, whatever the job exports
+    monkeypatch.setattr(slurm.submitit.helpers, "TorchDistributedEnvironment", _ExportedByHand)
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: None)
+    monkeypatch.setattr(trainer_module, "Trainer", _TrainerThatRecords)
+    job()
+    ds = _TrainerThatRecords.seen["ds_config"]
+    assert ds["bf16"]["enabled"] is True and "torch_adam" not in ds["optimizer"]["params"]
+    on_the_node = build_ds_config(ds_file, load_config(None, [*train[2:], slurm.RESUME]))
+    assert ds == on_the_node
+
+
+def test_a_deepspeed_file_that_fails_on_a_gpu_node_is_refused_at_submit_time_on_a_cpu_machine(tmp_path, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    data = make_data_dir(tmp_path / "data")
+    train = [a for a in TRAIN[2:] if not a.startswith("train.dtype=")]
+    argv = ["--output-dir", str(tmp_path / "sub"), "--ds_config", str(ROOT / "configs/ds/zero1.json"), *train,
+            f"data.dir={data}", "train.dtype=auto"]
+    assert slurm.main(argv) == 2
+    assert "got 1 with train.dtype bf16" in capsys.readouterr().err
+    assert not (tmp_path / "sub").exists()
+
+
+def test_torchrun_mode_runs_one_task_per_node_each_starting_torchrun_with_a_rendezvous_at_the_first_node(
+        tmp_path, monkeypatch):
+    from torch.distributed.run import get_args_parser
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\n")
+    (fake / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")   # submitit looks for srun
+    args, _ = slurm.parse_args(["--launcher", "torchrun", "--nodes", "4", "--gpus-per-node", "8",
+                                "--cpus-per-task", "64", "--output-dir", str(tmp_path / "sub")])
+    text = slurm.make_executor(args)._make_submission_file_text("CMD", "uid")
+    for line in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=64"):
+        assert f"#SBATCH {line}\n" in text, (line, text)
+    command = slurm.torchrun_command(4, slurm.tasks_per_node(args), "gpu07:41234", "987", tmp_path / "run")
+    # Read back by torchrun's own parser: what every node runs.
+    parsed = get_args_parser().parse_args(command[3:])
+    assert command[:3] == [slurm.sys.executable, "-m", "torch.distributed.run"]
+    assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id,
+            parsed.max_restarts) == ("4", "8", "c10d", "gpu07:41234", "987", 0)
+    assert Path(parsed.training_script) == ROOT / "launch" / "pretrain.py"
+    worker = pretrain.parse_args(parsed.training_script_args)
+    assert (worker.config, worker.ds_config, worker.result_json) == tuple(
+        str(tmp_path / "run" / name) for name in ("config.yaml", "ds_config.json", "result.json"))
 
 # research/pretraining_ecosystem.md s1.2: steps (warmup) per size at global batch 512.
 RECIPE = {"60m": (10000, 1000), "130m": (20000, 2000), "350m": (60000, 6000), "1b": (100000, 10000)}

@@ -36,6 +36,7 @@ on each rank's device (NVML index = local rank: CUDA_VISIBLE_DEVICES must not re
 joules per token. On CPU (or without pynvml) energy is skipped with the reason in the JSON.
 
     python tools/bench_train.py --model 60m --json out.json [--steps N] [--warmup N]
+    python tools/bench_train.py --model 350m --rows dense_adamw,chtsnm_nobranch_1of4_row --json out.json
     python tools/bench_train.py --quick --json out.json       # tiny model, 2 steps (the test suite's smoke run)
 """
 
@@ -97,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 256; 64 quick)")
     p.add_argument("--nproc", type=int, default=None,
                    help="ranks (default 2 on CPU; min(2, GPUs) with CUDA: NCCL needs one GPU per rank)")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help=f"comma-separated rows to time (default all; {REFERENCE} and {RATIO_ROW} always needed)")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny model, vocab {QUICK_VOCAB}, 2 steps, 1 warmup, micro-batch 2 x 64 (smoke test)")
     args = p.parse_args(argv)
@@ -116,6 +119,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--nproc: got {args.nproc}; allowed: 1 .. {torch.cuda.device_count()} (NCCL: one GPU per rank)")
     if args.warmup < 0:
         p.error(f"--warmup: got {args.warmup}; allowed: >= 0")
+    args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown or REFERENCE not in args.rows or RATIO_ROW not in args.rows:
+        p.error(f"--rows: got {','.join(args.rows)!r}; allowed: a comma-separated subset of {', '.join(ROWS)} "
+                f"holding {REFERENCE} and {RATIO_ROW}")
     if not (ROOT / "configs" / "model" / f"{args.preset}.yaml").exists():
         p.error(f"--model: got {args.preset!r}; allowed: "
                 f"{', '.join(sorted(q.stem for q in (ROOT / 'configs' / 'model').glob('*.yaml')))}")
@@ -292,11 +300,11 @@ def _rank_main(rank: int, world_size: int, args: dict, data_dir: str, out_root: 
     flops = dense_equivalent_flops(counts["backbone_dense_equivalent"] + args["vocab"] * model_cfg.hidden_size,
                                    model_cfg.num_hidden_layers, model_cfg.hidden_size, args["seq_len"],
                                    args["micro_batch"] * args["seq_len"] * world_size)
-    steps: dict[str, list[dict]] = {m: [] for m in ROWS}
+    steps: dict[str, list[dict]] = {m: [] for m in args["rows"]}
     refresh: dict[str, dict | None] = {}
     intervals: dict[str, int | None] = {REFERENCE: None}
     refresh[REFERENCE] = None
-    for method in ROWS:
+    for method in args["rows"]:
         if method == REFERENCE:
             continue
         log(f"{method}: building and warming up")
@@ -383,9 +391,9 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
     args = parse_args(argv)
     runner = runner or spawn_ranks
     tokens_per_step = args.micro_batch * args.seq_len * args.nproc
-    rank_args = {k: getattr(args, k) for k in ("preset", "vocab", "steps", "warmup", "micro_batch", "seq_len")}
+    rank_args = {k: getattr(args, k) for k in ("preset", "vocab", "steps", "warmup", "micro_batch", "seq_len", "rows")}
     # Samples the run draws: every trainer's steps, the reference's paired ones included (the sampler wraps anyway).
-    num_sequences = (args.warmup + 2 * args.steps + 1) * len(ROWS) * args.micro_batch * args.nproc
+    num_sequences = (args.warmup + 2 * args.steps + 1) * len(args.rows) * args.micro_batch * args.nproc
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         data_dir = write_synthetic_data(Path(tmp) / "data", args.vocab, (num_sequences + 1) * args.seq_len)
         per_rank = runner(_rank_main, args.nproc, rank_args, data_dir, str(Path(tmp) / "runs"))
@@ -412,7 +420,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
             "tokens_per_step": tokens_per_step, "warmup_steps": args.warmup, "timed_steps": args.steps,
             "quick": args.quick,
             "ds_config": "configs/ds/zero2.json (ZeRO-2) via build_ds_config, dense-side AdamW with torch_adam",
-            "dtype": "bf16" if torch.cuda.is_available() else "fp32", "rows": ROWS,
+            "dtype": "bf16" if torch.cuda.is_available() else "fp32", "rows": {m: ROWS[m] for m in args.rows},
             "update_interval": {m: r["update_interval"] for m, r in rows.items()},
             "schedule_total_steps": TOTAL_STEPS, "data": "synthetic uniform tokens",
             "parameter_counts": per_rank[0]["parameter_counts"], "flops_per_step": flops,

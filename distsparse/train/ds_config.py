@@ -17,10 +17,14 @@ SUPPORTED_STAGES = (1, 2)
 OBJECT_SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "optimizer.params")   # parents first
 
 
-def resolve_dtype(cfg: Config) -> str:
+def resolve_dtype(cfg: Config, cuda_available: bool | None = None) -> str:
+    """`train.dtype`, with `auto` decided by the machine that trains: bf16 with CUDA, fp32 without.
+    `cuda_available` defaults to this process's machine; launch/slurm.py passes both values at submit time to
+    check a config for whatever node the job lands on, and resolves for real on the node."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
-    return "bf16" if torch.cuda.is_available() else "fp32"
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    return "bf16" if cuda else "fp32"
 
 
 def _set(ds: dict, path: str, value, source: dict) -> None:
@@ -39,6 +43,11 @@ def _set(ds: dict, path: str, value, source: dict) -> None:
 
 def build_ds_config(path: str | Path, cfg: Config) -> dict:
     """Read, check and complete the DeepSpeed config. Raises ValueError before any process group starts."""
+    return complete_ds_config(read_ds_json(path), cfg)
+
+
+def read_ds_json(path: str | Path) -> dict:
+    """The user's DeepSpeed JSON as written, checked to be an object whose sections are objects."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"--ds_config: got {str(p)!r}; the file does not exist")
@@ -55,6 +64,13 @@ def build_ds_config(path: str | Path, cfg: Config) -> dict:
             node = node.get(part) if isinstance(node, dict) else None
         if node is not None and not isinstance(node, dict):
             raise ValueError(f"--ds_config {key}: got {node!r} in {p}; allowed: a JSON object")
+    return source
+
+
+def complete_ds_config(source: dict, cfg: Config, cuda_available: bool | None = None) -> dict:
+    """The user's DeepSpeed JSON (its contents) checked against the run config and completed with the keys the
+    project config owns, for a machine with or without CUDA (`cuda_available`, default: this one). A job carries
+    the contents and calls this on the node that trains, so `train.dtype: auto` is that node's answer."""
     ds = json.loads(json.dumps(source))
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if stage not in SUPPORTED_STAGES:
@@ -62,7 +78,8 @@ def build_ds_config(path: str | Path, cfg: Config) -> dict:
             f"--ds_config zero_optimization.stage: got {stage}; allowed: 1, 2. ZeRO-3 (and 0) are not supported: "
             f"ZeRO-3 converts and partitions the backbone values excluded from DeepSpeed's optimizer, which the "
             f"project's matrix engine owns (DESIGN decision 1)")
-    dtype = resolve_dtype(cfg)
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    dtype = resolve_dtype(cfg, cuda)
     if dtype == "bf16" and stage == 1:
         raise ValueError("--ds_config zero_optimization.stage: got 1 with train.dtype bf16; allowed: 2. bf16 with "
                          "ZeRO-1 selects DeepSpeed's BF16_Optimizer, whose clipping internals the joint gradient "
@@ -82,7 +99,7 @@ def build_ds_config(path: str | Path, cfg: Config) -> dict:
     for key, value in (("lr", cfg.train.lr), ("betas", [cfg.train.beta1, cfg.train.beta2]),
                        ("weight_decay", cfg.train.weight_decay)):
         _set(ds, f"optimizer.params.{key}", value, source)
-    if not torch.cuda.is_available():
+    if not cuda:
         params.setdefault("torch_adam", True)   # no JIT C++ build on CPU
     ds.setdefault("steps_per_print", 10**9)      # the trainer prints its own line
     return ds

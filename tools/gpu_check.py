@@ -1,0 +1,331 @@
+"""Every GPU check of the project in one call (DESIGN s6; issue 15 item 3): tools/gpu_check.sh runs this file.
+
+    tools/gpu_check.sh OUTDIR          # on the GPU machine: one call, under 8 minutes on one H200
+    tools/gpu_check.sh --plan OUTDIR   # print the steps, their time limits and commands; run nothing
+
+Steps, each a subprocess (and its children) under its own time limit; the limits add up to under 8 minutes:
+  install_wheels    pip install --no-index --find-links .gpu_wheels (tools/gpu_wheels.sh made the folder here)
+  install_target    only if that failed (no write access, an externally managed Python): the same wheels unpacked
+                    with --no-deps into .gpu_site, which then goes first on PYTHONPATH
+  environment       versions and device, and that deepspeed and submitit import
+  pytest_gpu        the GPU-marked tests (only the files that hold them)
+  train_check       tools/gpu_train_check.py: the real Trainer on NCCL, 60m (vocab 32000), 30 steps with topology
+                    refreshes, a checkpoint at 15 and a resume that must continue bit-identically, with the matrix
+                    engine's collectives forced at one rank (engine.force_collectives=true)
+  bench_layer       tools/bench_layer.py in bf16 on the GPU
+  bench_inference   tools/bench_inference.py, 60m and 350m forwards with the 2:4 kernels
+  bench_train_60m   tools/bench_train.py, dense AdamW against CHTs 1:4 + TANS (tokens/s ratio, MFU, phases)
+  bench_train_350m  the same at 350m
+Everything a step writes goes to a scratch folder; what comes back is OUTDIR with three files (the run tool returns
+at most 8 files of at most 16 MiB): gpu_check.tar.gz (every step's log and JSON, pytest's junit XML; logs cut to
+their last 2 MiB), summary.txt (the table printed last) and gpu_h200.json (the figures in docs/results/ shape:
+`chts_1of4_tans_over_dense_adamw` at 350m and the rest, `machine`, `config`). Exit code 1 if any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEELS = ROOT / ".gpu_wheels"
+SITE = ROOT / ".gpu_site"
+PACKAGES = ("deepspeed==0.19.8", "submitit", "nvidia-ml-py")
+BUDGET_S = 480                      # the whole call: 8 minutes
+LOG_TAIL_BYTES = 2 * 1024 * 1024    # each log in the tarball keeps its last 2 MiB
+RATIO_ROWS = "dense_adamw,chtsnm_nobranch_1of4_row"
+CHTS_ROW = "chtsnm_nobranch_1of4_row"
+
+
+@dataclass
+class Step:
+    name: str
+    limit_s: int
+    argv: list[str]
+    what: str
+    json: str | None = None          # the JSON the step writes (a file name in the scratch folder)
+    needs_cuda: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    name: str
+    rc: int | None                   # None: not run; 124: timed out
+    seconds: float
+    limit_s: int
+    note: str = ""
+
+
+def plan(py: str, work: Path) -> list[Step]:
+    """The steps of a full check, in order (install_target runs only when install_wheels fails)."""
+    gpu_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                       if "pytest.mark.gpu" in p.read_text())
+    install_env = {"PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    bench_train = [py, "tools/bench_train.py", "--rows", RATIO_ROWS, "--steps", "8", "--warmup", "2",
+                   "--micro-batch", "64"]
+    return [
+        Step("install_wheels", 45, [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
+                                    *PACKAGES], "install the carried wheels, no index", needs_cuda=False,
+             env=install_env),
+        Step("install_target", 25, [py, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(SITE),
+                                    *sorted(str(w) for w in WHEELS.glob("*.whl"))],
+             "fallback: unpack them into .gpu_site", needs_cuda=False, env=install_env),
+        Step("environment", 15, [py, "-c", "import torch, deepspeed, submitit; print('torch', torch.__version__, "
+                                           "'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'device', "
+                                           "torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"],
+             "versions, device, imports", needs_cuda=False),
+        Step("pytest_gpu", 90, [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                                f"--junitxml={work / 'pytest_gpu.xml'}", *gpu_files], "GPU-marked tests"),
+        Step("train_check", 90, [py, "tools/gpu_train_check.py", "--out", str(work / "train_check_runs"),
+                                 "--json", str(work / "train_check.json"), "--model", "60m", "--steps", "30",
+                                 "--save-at", "15", "--refresh-interval", "10", "engine.force_collectives=true"],
+             "Trainer on NCCL: refresh, checkpoint, bit-identical resume", json="train_check.json"),
+        Step("bench_layer", 40, [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
+                                 "--json", str(work / "bench_layer_gpu.json")], "NMSparseLinear vs nn.Linear, bf16",
+             json="bench_layer_gpu.json"),
+        Step("bench_inference", 55, [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
+                                     "--json", str(work / "bench_inference_gpu.json")], "2:4 kernel forwards",
+             json="bench_inference_gpu.json"),
+        Step("bench_train_60m", 45, [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
+             "dense AdamW vs CHTs 1:4 + TANS, 60m", json="bench_train_60m.json"),
+        Step("bench_train_350m", 60, [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
+             "dense AdamW vs CHTs 1:4 + TANS, 350m", json="bench_train_350m.json"),
+    ]
+
+
+def run_step(step: Step, log_path: Path, env: dict[str, str], cuda: bool) -> Outcome:
+    """Run one step in its own session, output to its log; at the limit the whole process group is ended
+    (bench_train's ranks included)."""
+    if step.needs_cuda and not cuda:
+        return Outcome(step.name, None, 0.0, step.limit_s, "skipped: no CUDA device")
+    argv = step.argv
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**env, **step.env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=step.limit_s)
+            note = ""
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            rc, note = 124, f"timed out after {step.limit_s}s"
+    return Outcome(step.name, rc, time.monotonic() - start, step.limit_s, note)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_all(steps: list[Step], work: Path) -> list[Outcome]:
+    """Every step in order, logs in `work`; whether CUDA is there is asked (after the installs) by the first step
+    that needs it."""
+    cuda: bool | None = None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    outcomes = []
+    for step in steps:
+        if step.name == "install_target" and outcomes and outcomes[-1].rc == 0:
+            outcomes.append(Outcome(step.name, None, 0.0, step.limit_s, "not needed"))
+            continue
+        print(f"== {step.name} (limit {step.limit_s}s): {step.what}", flush=True)
+        if step.needs_cuda and cuda is None:
+            cuda = _cuda_here(env)
+        outcome = run_step(step, work / f"{step.name}.log", env, bool(cuda))
+        if step.name == "install_target" and outcome.rc == 0:
+            env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])
+        if step.name == "environment" and outcome.rc == 0:
+            outcome.note = (work / "environment.log").read_text().splitlines()[-1][:100]
+        print(f"   rc={outcome.rc} {outcome.seconds:.0f}s {outcome.note}", flush=True)
+        outcomes.append(outcome)
+    return outcomes
+
+
+def _cuda_here(env: dict[str, str]) -> bool:
+    out = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() == "1"
+
+
+def failed(outcome: Outcome) -> bool:
+    """A step that ran and did not exit 0, or a GPU step skipped for want of a GPU (the check then proves
+    nothing). install_target 'not needed' is not a failure; a failed install_wheels rescued by it is not either."""
+    if outcome.name == "install_wheels":
+        return False   # judged by install_target / environment
+    if outcome.rc is None:
+        return outcome.note.startswith("skipped")
+    return outcome.rc != 0
+
+
+# ---- figures ---------------------------------------------------------------------------------------------------
+
+def _read(work: Path, name: str | None) -> dict | None:
+    path = work / name if name else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def train_rows(bench: dict) -> dict[str, dict[str, Any]]:
+    """From one bench_train JSON, per row: tokens/s, its ratio to dense AdamW, MFU, and the shares of the step
+    taken by the optimizer phase, the backbone rule step (TANS for the CHTs row) and the amortized refresh."""
+    rows = {}
+    for method, p in bench["phases_s"].items():
+        effective = p["step"] + p["refresh"]
+        rows[method] = {"tokens_per_s": bench["tokens_per_s"][method],
+                        "over_dense_adamw": bench["over_dense_adamw"][method], "mfu": bench["mfu"][method],
+                        "optimizer_share_of_step": p["optimizer"] / p["step"],
+                        "backbone_step_share_of_step": p["backbone_step"] / p["step"],
+                        "refresh_share_of_step": p["refresh"] / effective}
+    return rows
+
+
+def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str, Any]:
+    """The check's results in docs/results/*.json shape: named figures at the top, then machine and config."""
+    data = {s.name: _read(work, s.json) for s in steps if s.json}
+    out: dict[str, Any] = {}
+    per_size = {size: train_rows(data[f"bench_train_{size}"]) for size in ("60m", "350m")
+                if data.get(f"bench_train_{size}")}
+    for size, rows in per_size.items():
+        suffix = "" if size == "350m" else f"_{size}"   # the issue's target is at 350m
+        out[f"chts_1of4_tans_over_dense_adamw{suffix}"] = rows[CHTS_ROW]["over_dense_adamw"]
+        out[f"tans_share_of_step_{size}"] = rows[CHTS_ROW]["backbone_step_share_of_step"]
+    for size, rows in per_size.items():
+        out[f"train_{size}"] = rows
+    check = data.get("train_check")
+    if check:
+        out["resume_bit_identical"] = check["resume_bit_identical"]
+        out["train_check"] = {k: check[k] for k in ("losses_identical", "val_loss_identical", "state_hash_identical",
+                                                    "refreshes_identical", "max_abs_loss_diff", "refreshes_a",
+                                                    "refreshes_b", "seconds_a", "seconds_b", "config")}
+    layer = data.get("bench_layer")
+    if layer:
+        out["layer_fwd_bwd_ratio"] = layer["fwd_bwd_ratio"]
+    inference = data.get("bench_inference")
+    if inference and "models" in inference.get("gpu", {}):
+        out["inference_2of4_speedup"] = {size: m.get("speedup_mean", m.get("skipped"))
+                                         for size, m in inference["gpu"]["models"].items()}
+    out["steps"] = {o.name: {"rc": o.rc, "seconds": round(o.seconds, 1), "limit_s": o.limit_s, "note": o.note}
+                    for o in outcomes}
+    machine = next((d["machine"] for d in data.values() if d and "machine" in d), None)
+    out["machine"] = machine
+    out["config"] = {
+        "command": "tools/gpu_check.sh OUTDIR",
+        "steps": {s.name: " ".join(s.argv).replace(str(work), "<scratch>") for s in steps},
+        "bench_train": {size: data[f"bench_train_{size}"]["config"] for size in per_size},
+        "ratio": "chts_1of4_tans_over_dense_adamw: bench_train's paired tokens/s ratio of CHTs 1:4 + TANS "
+                 "(chtsnm_nobranch_1of4_row) to dense AdamW at 350m; _60m: the same at 60m",
+        "targets": {"chts_1of4_tans_over_dense_adamw": ">= 0.90 at 350m (paper: 0.75 on an RTX 5080)",
+                    "tans_share_of_step_350m": "<= 0.05"},
+        "shares": "optimizer_share_of_step = optimizer / step; backbone_step_share_of_step = backbone_step / "
+                  "step, which for the CHTs 1:4 + TANS row is tans_share_of_step_<size> (the TANS rule step, "
+                  "refresh excluded); refresh_share_of_step = amortized refresh / (step + it) "
+                  "(tools/bench_train.py phases, medians)",
+    }
+    return out
+
+
+def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
+    width = max(len(o.name) for o in outcomes)
+    lines = [f"{'step':{width}s}  {'rc':>4s}  {'seconds':>7s}  {'limit':>5s}  note"]
+    for o in outcomes:
+        rc = "-" if o.rc is None else str(o.rc)
+        lines.append(f"{o.name:{width}s}  {rc:>4s}  {o.seconds:7.1f}  {o.limit_s:5d}  {o.note}")
+    lines.append("")
+    for key in ("chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m", "tans_share_of_step_350m",
+                "tans_share_of_step_60m", "resume_bit_identical"):
+        if key in fig:
+            lines.append(f"{key} = {fig[key]}")
+    for size in ("60m", "350m"):
+        for method, row in fig.get(f"train_{size}", {}).items():
+            cells = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+            lines.append(f"{size} {method}: {cells}")
+    if "inference_2of4_speedup" in fig:
+        lines.append(f"2:4 inference speedup: {fig['inference_2of4_speedup']}")
+    return "\n".join(lines) + "\n"
+
+
+def package(work: Path, out: Path, table: str, fig: dict[str, Any]) -> list[Path]:
+    """OUTDIR/gpu_check.tar.gz (the scratch folder's logs, JSONs and XML; no checkpoints), summary.txt and
+    gpu_h200.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    tarball = out / "gpu_check.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        for path in sorted(work.iterdir()):
+            if not path.is_file() or path.suffix not in (".log", ".json", ".xml", ".txt"):
+                continue
+            data = path.read_bytes()
+            if path.suffix == ".log" and len(data) > LOG_TAIL_BYTES:
+                data = b"[... cut: last 2 MiB kept ...]\n" + data[-LOG_TAIL_BYTES:]
+            info = tarfile.TarInfo(f"gpu_check/{path.name}")
+            info.size, info.mtime = len(data), int(time.time())
+            tar.addfile(info, _Bytes(data))
+    (out / "summary.txt").write_text(table)
+    (out / "gpu_h200.json").write_text(json.dumps(fig, indent=2) + "\n")
+    return [tarball, out / "summary.txt", out / "gpu_h200.json"]
+
+
+class _Bytes:
+    """A file-like view of bytes for tarfile.addfile."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.data) if size < 0 else self.pos + size
+        chunk, self.pos = self.data[self.pos:end], min(end, len(self.data))
+        return chunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("outdir", help="where the tarball, summary.txt and gpu_h200.json go")
+    p.add_argument("--plan", action="store_true", help="print the steps and commands; run nothing")
+    args = p.parse_args(argv)
+    out = Path(args.outdir).resolve()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        steps = plan(sys.executable, work)
+        total = sum(s.limit_s for s in steps)
+        assert total < BUDGET_S, f"step limits add up to {total}s; the check must fit in {BUDGET_S}s"
+        if args.plan:
+            for s in steps:
+                print(f"{s.name:17s} {s.limit_s:4d}s  {' '.join(s.argv)}")
+            print(f"limits add up to {total}s (< {BUDGET_S}s); outputs: {out}/gpu_check.tar.gz, summary.txt, "
+                  f"gpu_h200.json")
+            return 0
+        outcomes = run_all(steps, work)
+        fig = figures(steps, outcomes, work)
+        table = summary_table(outcomes, fig)
+        (work / "summary.txt").write_text(table)
+        package(work, out, table, fig)
+    print("== summary\n" + table, flush=True)
+    return 1 if any(failed(o) for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
