@@ -55,7 +55,7 @@ def test_function_passes_gradcheck_in_float64(spec):
     bias = torch.randn(8, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, v, b: NMLinearFunction.apply(x, v, layer.index, 8, b), (x, values, bias))
+        lambda x, v, b: NMLinearFunction.apply(x, v, layer.codes, spec, 8, b), (x, values, bias))
 
 
 def saved_shapes(module, x):
