@@ -145,7 +145,8 @@ def _row_kept_index(meta: NMMeta) -> torch.Tensor:
     span_cols = M * M * period // n
     span = torch.arange(num_bytes, device=codes.device) // period * span_cols  # [bytes] first column of the span
     index += (torch.arange(out_f, device=codes.device) * in_f).view(-1, 1, 1) + span.view(1, -1, 1)
-    return index.view(out_f, -1)[:, :k].reshape(-1)   # drops the padding slots of the last byte (a copy only then)
+    # Drops the padding slots of the last byte (a copy only when there are some).
+    return index.view(out_f, -1)[:, :k].contiguous().view(-1)
 
 
 def _block_kept_index(meta: NMMeta) -> torch.Tensor:
