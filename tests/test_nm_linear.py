@@ -1,5 +1,5 @@
 """NMSparseLinear (distsparse/layers/nm_linear.py) against a float64 dense masked reference built here:
-outputs, gradients, saved tensors, checkpointing, persistent bytes, optimizer steps, errors and init."""
+outputs, gradients, saved tensors, checkpointing, persistent and held bytes, optimizer steps, errors and init."""
 
 import copy
 import math
@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from rankpool import import_tool
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
@@ -55,7 +56,7 @@ def test_function_passes_gradcheck_in_float64(spec):
     bias = torch.randn(8, dtype=torch.float64, requires_grad=True)
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, v, b: NMLinearFunction.apply(x, v, layer.index, 8, b), (x, values, bias))
+        lambda x, v, b: NMLinearFunction.apply(x, v, layer.codes, spec, 8, b), (x, values, bias))
 
 
 def saved_shapes(module, x):
@@ -81,6 +82,26 @@ def test_no_dense_weight_sized_tensor_is_saved_for_backward(spec):
     assert any(math.prod(s) == out_f * in_f for s in saved_shapes(nn.Linear(in_f, out_f), x))
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_the_function_saves_the_codes_and_no_index(spec):
+    layer = NMSparseLinear(16, 12, spec, bias=True)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(torch.randn(5, 16, requires_grad=True))
+    integer = [t for t in saved if not t.is_floating_point()]
+    assert len(integer) == 1 and integer[0].dtype == torch.uint8
+    assert integer[0].data_ptr() == layer.codes.data_ptr()   # the layer's buffer itself, not a copy
+    y.sum().backward()
+
+
+def test_codes_changed_between_forward_and_backward_are_refused():
+    layer = NMSparseLinear(16, 12, NMSpec(2), seed=1)
+    y = layer(torch.randn(5, 16))
+    layer.set_codes(NMSparseLinear(16, 12, NMSpec(2), seed=2).codes)   # a topology installed mid-step
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def two_layer_grads(net, x, mode):
     x = x.detach().clone().requires_grad_(True)
 
@@ -96,9 +117,11 @@ def two_layer_grads(net, x, mode):
     return [x.grad] + [p.grad.clone() for p in net.parameters()]
 
 
-def test_activation_checkpointing_reentrant_or_not_gives_the_plain_gradients():
-    net = nn.Sequential(NMSparseLinear(16, 12, NMSpec(2), bias=True, seed=1),
-                        NMSparseLinear(12, 8, NMSpec(1, 4, "block"), bias=True, seed=2))
+@pytest.mark.parametrize("first, second", [(NMSpec(2), NMSpec(1, 4, "block")), (NMSpec(1), NMSpec(3, 4, "block")),
+                                           (NMSpec(3), NMSpec(2, 4, "block"))], ids=str)
+def test_activation_checkpointing_reentrant_or_not_gives_the_plain_gradients(first, second):
+    net = nn.Sequential(NMSparseLinear(16, 12, first, bias=True, seed=1),
+                        NMSparseLinear(12, 8, second, bias=True, seed=2))
     x = torch.randn(6, 16)
     plain = two_layer_grads(net, x, "plain")
     for mode in ("reentrant", "non_reentrant"):
@@ -114,16 +137,25 @@ def state_bytes(module):
 
 
 @pytest.mark.parametrize("layout", ["row", "block"])
-@pytest.mark.parametrize("sparsity, bound", [("1:4", 0.29), ("2:4", 0.57)])
+@pytest.mark.parametrize("sparsity, bound", [("1:4", 0.29), ("2:4", 0.57), ("3:4", None)])
 @pytest.mark.parametrize("in_f, out_f", [(40, 24), (512, 1376)])
-def test_persistent_state_is_bf16_values_plus_packed_codes_within_the_bound(layout, sparsity, bound, in_f, out_f):
+def test_a_trained_layer_holds_bf16_values_plus_packed_codes_and_nothing_else(layout, sparsity, bound, in_f, out_f):
+    held_bytes = import_tool("bench_layer").held_bytes
     spec = NMSpec.parse(sparsity, layout)
-    layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.bfloat16)
-    assert set(layer.state_dict()) == {"values", "codes"}   # the int64 index cache is not persisted
     k = in_f * spec.n // 4
+    layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.bfloat16)
+    x = torch.randn(3, in_f, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    checkpoint(layer, x, use_reentrant=True).sum().backward()
+    assert layer.index.numel() == out_f * k   # what the engine reads: derived on access, not kept
+    layer.zero_grad(set_to_none=True)         # between steps gradients live in the engine's buffer
+
     code_bytes = out_f * -(-k // 4) if layout == "row" else (out_f // 4) * (in_f // 4)   # DESIGN s3
+    assert set(layer.state_dict()) == {"values", "codes"}
     assert state_bytes(layer) == out_f * k * 2 + code_bytes
-    assert state_bytes(layer) <= bound * out_f * in_f * 2
+    assert held_bytes(layer) == out_f * k * 2 + code_bytes   # no index cache, no other tensor attribute
+    if bound is not None:
+        assert held_bytes(layer) <= bound * out_f * in_f * 2
 
 
 @pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)
@@ -145,11 +177,11 @@ def test_pruned_positions_stay_zero_through_adamw_steps(spec):
     assert bool((layer.values.detach() != before).all())
 
 
-def test_loading_a_state_dict_or_setting_codes_rebuilds_the_cached_index():
+def test_loading_a_state_dict_or_setting_codes_changes_what_the_layer_computes():
     a = NMSparseLinear(16, 8, NMSpec(2), seed=0)
     b = NMSparseLinear(16, 8, NMSpec(2), seed=1)
     x = torch.randn(3, 16)
-    b(x)   # fills b's index cache
+    b(x)
     b.load_state_dict(a.state_dict())
     torch.testing.assert_close(b(x), a(x), rtol=0, atol=0)
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distsparse.nm import (
-    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, is_legal, kept_index,
-    mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, slot_map,
+    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, gather_kept, is_legal,
+    kept_index, mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, slot_map,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,6 +128,52 @@ def test_compress_keeps_each_rows_values_in_column_order_and_decompress_restores
     assert torch.equal(values, kept_values_in_order(dense, mask))
     assert torch.equal(decompress(values, meta), torch.where(mask, dense, torch.zeros_like(dense)))
     assert torch.equal(kept_index(meta), mask.flatten().nonzero().flatten())
+
+
+def random_codes(spec, out_f, in_f, gen):
+    """Legal codes drawn directly, not through `encode`: a library index per block, or n distinct ascending
+    positions per row group, packed."""
+    if spec.layout == "block":
+        num = len(block_motifs(spec.n))
+        return torch.randint(num, (out_f // 4, in_f // 4), generator=gen).to(torch.uint8)
+    pos = torch.rand(out_f, in_f // 4, 4, generator=gen).argsort(-1)[..., :spec.n].sort(-1).values.flatten(1)
+    return pack_positions(torch.cat([pos, pos.new_zeros(out_f, -pos.shape[1] % 4)], dim=1))
+
+
+def brute_force_decompress(values, codes, spec, out_f, in_f):
+    """Dense [out, in] read off the codes one kept value at a time: its 2-bit field (row-wise), or its block's motif
+    in the library, visited in row-major order (block-wise)."""
+    dense = torch.zeros(out_f, in_f, dtype=values.dtype)
+    if spec.layout == "row":
+        for o in range(out_f):
+            for slot in range(in_f * spec.n // 4):
+                pos = (int(codes[o, slot // 4]) >> (2 * (slot % 4))) & 3
+                dense[o, (slot // spec.n) * 4 + pos] = values[o, slot]
+        return dense
+    library = block_motifs(spec.n).tolist()
+    for o in range(out_f):
+        kept = [c for c in range(in_f) if library[int(codes[o // 4, c // 4])][o % 4][c % 4]]
+        for slot, c in enumerate(kept):
+            dense[o, c] = values[o, slot]
+    return dense
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SPECS), st.integers(1, 5), st.integers(1, 13), st.integers(0, 2**31 - 1))
+@example(NMSpec(1), 3, 1, 0)   # one kept value per row, three padding slots: the index must still be contiguous
+def test_decompress_from_the_codes_equals_a_brute_force_decode_and_gather_inverts_it(spec, rows, groups, seed):
+    # Up to 13 groups: every phase of the 3:4 code period (3 bytes = 4 groups) and every padding of the last byte.
+    out_f, in_f = (4 * rows if spec.layout == "block" else rows), 4 * groups
+    gen = torch.Generator().manual_seed(seed)
+    meta = NMMeta(random_codes(spec, out_f, in_f, gen), spec, (out_f, in_f))
+    assert is_legal(meta)
+    values = torch.randn(out_f, in_f * spec.n // 4, generator=gen, dtype=torch.float64)
+    dense = decompress(values, meta)
+    assert torch.equal(dense, brute_force_decompress(values, meta.codes, spec, out_f, in_f))
+    index = kept_index(meta)
+    assert index.dtype == torch.int64 and index.is_contiguous()
+    assert bool((index[1:] > index[:-1]).all())   # values order is row-major
+    assert torch.equal(gather_kept(dense, index, values.shape[1]), values)
 
 
 @FAST

@@ -65,7 +65,7 @@ def _permute_core_rows(core: nn.Module, perm: torch.Tensor) -> None:
     assert isinstance(core, (NMSparseLinear, DenseLatentLinear, nn.Linear)), type(core)
     if isinstance(core, NMSparseLinear):
         _take_rows(core.values, perm)
-        core.set_codes(core.codes.index_select(0, perm.to(core.codes.device)))   # bumps the index cache
+        core.set_codes(core.codes.index_select(0, perm.to(core.codes.device)))
     else:
         _take_rows(core.weight, perm)
         if getattr(core, "mode", None) == "cast":

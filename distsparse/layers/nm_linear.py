@@ -2,14 +2,16 @@
 
 Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row.
 
-    forward:   W = scatter(values, index)           [O, I]  (transient, never saved)
+    forward:   idx = kept_index(codes)              [O * K] int64 (transient, derived per call, never saved)
+               W = scatter(values, idx)              [O, I]  (transient, never saved)
                y = x @ W^T (+ b)                     [T, O]
-    backward:  W = scatter(values, index)           (recomputed)
+    backward:  idx, W = recomputed from the codes
                grad_x      = g @ W                   [T, I]
-               grad_values = gather(g^T @ x, index)  [O, K]  (only kept positions leave the Function)
+               grad_values = gather(g^T @ x, idx)    [O, K]  (only kept positions leave the Function)
 
-Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins are memory, optimizer state
-and communication; speed comes from 2:4 kernels at inference.
+Between calls a layer holds its values and codes only (issue 19: an index cache was 4 B per kept value, more than
+the bf16 values). Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins are memory,
+optimizer state and communication; speed comes from 2:4 kernels at inference.
 """
 
 from __future__ import annotations
@@ -20,28 +22,33 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distsparse.nm import NMMeta, NMSpec, codes_shape, encode, gather_kept, is_legal, kept_index, random_mask, scatter_kept
+from distsparse.nm import (
+    NMMeta, NMSpec, codes_shape, decompress, encode, gather_kept, is_legal, kept_index, random_mask, scatter_kept,
+)
 
 INIT_MODES = ("swi", "hf")
 
 
 class NMLinearFunction(torch.autograd.Function):
-    """y = x @ scatter(values)^T + b; saves x, values and the flat index only (no dense [O, I] tensor)."""
+    """y = x @ scatter(values)^T + b; saves x, values and the codes only: the flat index is derived from the codes
+    in forward and again in backward, so nothing index- or weight-sized outlives a call. Saving the codes also lets
+    autograd refuse a backward after the codes changed in place (a topology installed mid-step)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, values: torch.Tensor, codes: torch.Tensor, spec: NMSpec,
                 in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = (values.shape[0], in_features)
-        weight = scatter_kept(values, index, shape)
-        ctx.save_for_backward(x, values, index)
-        ctx.in_features = in_features
+        meta = NMMeta(codes, spec, (values.shape[0], in_features))
+        weight = scatter_kept(values, kept_index(meta), meta.shape)
+        ctx.save_for_backward(x, values, codes)
+        ctx.spec, ctx.in_features = spec, in_features
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, values, index = ctx.saved_tensors
+        x, values, codes = ctx.saved_tensors
         out_features, kept = values.shape
+        index = kept_index(NMMeta(codes, ctx.spec, (out_features, ctx.in_features)))
         grad_x = grad_values = grad_bias = None
         grad_y2 = grad_y.reshape(-1, out_features)
         if ctx.needs_input_grad[0]:
@@ -50,27 +57,21 @@ class NMLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_w = grad_y2.t() @ x.reshape(-1, ctx.in_features).to(grad_y2.dtype)
             grad_values = gather_kept(grad_w, index, kept).to(values.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[4]:
+        if ctx.has_bias and ctx.needs_input_grad[5]:
             grad_bias = grad_y2.sum(0)
-        return grad_x, grad_values, None, None, grad_bias
+        return grad_x, grad_values, None, None, None, grad_bias
 
 
 class NMSparseLinear(nn.Module):
-    """Drop-in for `nn.Linear` with an N:M sparse weight held as `values` [O, K] + `codes` (uint8 buffer).
-
-    The flat index is a non-persistent cache, rebuilt whenever the codes change: it is keyed on the codes
-    buffer's storage and version counter, so `set_codes`, `load_state_dict`, a collective writing into the
-    buffer and a device move all invalidate it. It is int32 (out * in < 2^31 always holds for our shapes): at
-    int64 it would be 8 B per kept value, 2x the fp32 values themselves (1.1 GiB per rank at 1b).
-    """
+    """Drop-in for `nn.Linear` with an N:M sparse weight held as `values` [O, K] + `codes` (uint8 buffer), and
+    nothing else: the flat index is derived from the codes wherever it is needed (`index`), so `set_codes`,
+    `load_state_dict`, a collective writing into the buffer and a device move need no invalidation."""
 
     def __init__(self, in_features: int, out_features: int, spec: NMSpec, bias: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  init: str = "swi", init_std: float = 0.02, seed: int = 0):
         super().__init__()
         spec.check_shape(out_features, in_features)
-        if out_features * in_features >= 2 ** 31:
-            raise ValueError(f"shape: got [{out_features}, {in_features}]; allowed: out * in < 2^31 (int32 index)")
         if init not in INIT_MODES:
             raise ValueError(f"init: got {init!r}; allowed: {', '.join(INIT_MODES)}")
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
@@ -80,8 +81,6 @@ class NMSparseLinear(nn.Module):
         self.register_buffer("codes", torch.zeros(codes_shape(spec, out_features, in_features),
                                                   dtype=torch.uint8, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
-        self._index: torch.Tensor | None = None
-        self._index_key: tuple | None = None
         if self.values.device.type != "meta":
             self.reset_parameters()
 
@@ -91,13 +90,8 @@ class NMSparseLinear(nn.Module):
 
     @property
     def index(self) -> torch.Tensor:
-        if self.codes.is_inference():
-            # Inference tensors carry no version counter, so the cache could not see a change: rebuild.
-            return kept_index(self.meta)
-        key = (self.codes.device, self.codes.data_ptr(), self.codes._version)
-        if self._index is None or self._index_key != key:
-            self._index, self._index_key = kept_index(self.meta).to(torch.int32), key
-        return self._index
+        """int64 [O * K] flat kept index, derived from the codes on every access (a transient: not stored)."""
+        return kept_index(self.meta)
 
     def init_std_value(self) -> float:
         """SWI: N(0, 2 / (density * fan_in)) (sparse weight init); hf: the model's initializer_range."""
@@ -119,18 +113,17 @@ class NMSparseLinear(nn.Module):
 
     @torch.no_grad()
     def set_codes(self, codes: torch.Tensor) -> None:
-        """Install a new topology (values must be moved by the caller); the in-place copy bumps the codes'
-        version, which invalidates the cached index."""
+        """Install a new topology (values must be moved by the caller)."""
         meta = NMMeta(codes, self.spec, (self.out_features, self.in_features))
         assert is_legal(meta), f"illegal codes for {self.spec} {meta.shape}"
         self.codes.copy_(codes)
 
     def dense_weight(self) -> torch.Tensor:
         """The decompressed [O, I] weight (for export and tests; never used in training)."""
-        return scatter_kept(self.values.detach(), self.index, (self.out_features, self.in_features))
+        return decompress(self.values.detach(), self.meta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return NMLinearFunction.apply(x, self.values, self.index, self.in_features, self.bias)
+        return NMLinearFunction.apply(x, self.values, self.codes, self.spec, self.in_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, sparsity={self.spec}"

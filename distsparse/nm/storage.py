@@ -7,14 +7,17 @@ Shapes (W is [out, in], k = in * N / 4 kept values per output row):
                             four per byte, first value in the low bits (NVIDIA's 2:4 convention)
           block-wise: uint8 [out / 4, in / 4]   motif id (index into `block_motifs(N)`) of each 4x4 block
 
-The persistent state is values + codes. `kept_index` unpacks the codes into an int64 flat index for compute;
-callers cache it and rebuild it only when the codes change (research/sparse_kernels.md s2.2:
-`index_copy_`/`index_select` with a cached flat index are the fastest CPU paths).
+Values + codes are everything a matrix holds (issue 19). `kept_index` derives an int64 flat index from the codes
+on each call: one table lookup per code byte (row-wise: the byte's four 2-bit fields at once) or per block
+(block-wise), plus one add. Callers use it for a decompress or gather and drop it, never cache it: it is 8 B per
+kept value, 4x the bf16 values it addresses. `index_copy_` / `index_select` with a flat index are the fastest CPU
+paths (research/sparse_kernels.md s2.2).
 Pure tensor functions: no distributed code, no config objects.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,16 +112,66 @@ def decode(meta: NMMeta) -> torch.Tensor:
     return mask.view(out_f, in_f)
 
 
-def kept_index(meta: NMMeta) -> torch.Tensor:
-    """int64 [out * k]: flat position in the dense [out, in] matrix of every kept value, in values order."""
+@functools.lru_cache(maxsize=None)
+def _row_slot_table(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [P * 256, 4], P = 3 if n == 3 else 1: the column offset of each of the 4 slots of a code byte from
+    the first column of its span (the 16 * P / n columns the byte's P-byte period covers), keyed by
+    phase * 256 + byte. A period of P bytes holds 4 * P slots = 4 * P / n whole groups; at 3:4 a group crosses a
+    byte boundary, so the offset depends on the byte's phase b % 3."""
+    period = 3 if n == 3 else 1
+    byte = torch.arange(256).unsqueeze(1)
+    pos = (byte >> (2 * torch.arange(M))) & 3                            # [256, 4] position of each slot
+    slot = M * torch.arange(period).view(-1, 1, 1) + torch.arange(M)     # [P, 1, 4] slot inside the period
+    return ((slot // n) * M + pos).view(-1, M).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _motif_columns(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [P, 4, n]: the kept columns of each row of each motif, ascending (row-major nonzero)."""
+    motifs = block_motifs(n)
+    return motifs.nonzero()[:, 2].view(motifs.shape[0], M, n).to(device)
+
+
+def _row_kept_index(meta: NMMeta) -> torch.Tensor:
     out_f, in_f = meta.shape
+    n, k = meta.spec.n, meta.kept_per_row
+    codes = meta.codes
+    num_bytes = codes.shape[1]
+    period = 3 if n == 3 else 1
+    key = codes.int()                                                          # index_select wants int32/int64
+    if period > 1:
+        key += (torch.arange(num_bytes, device=codes.device, dtype=torch.int32) % period) * 256
+    index = _row_slot_table(n, codes.device).index_select(0, key.view(-1)).view(out_f, num_bytes, M)
+    span_cols = M * M * period // n
+    span = torch.arange(num_bytes, device=codes.device) // period * span_cols  # [bytes] first column of the span
+    index += (torch.arange(out_f, device=codes.device) * in_f).view(-1, 1, 1) + span.view(1, -1, 1)
+    # Drops the padding slots of the last byte (a copy only when there are some).
+    return index.view(out_f, -1)[:, :k].contiguous().view(-1)
+
+
+def _block_kept_index(meta: NMMeta) -> torch.Tensor:
+    out_f, in_f = meta.shape
+    n = meta.spec.n
+    codes = meta.codes
+    blocks_out, blocks_in = codes.shape
+    device = codes.device
+    # Flat offset of each kept value from its block's top-left corner, per motif: row * in + column.
+    offsets = _motif_columns(n, device) + (torch.arange(M, device=device) * in_f).view(1, M, 1)
+    per_block = offsets.view(-1, M * n).index_select(0, codes.view(-1).int()).view(blocks_out, blocks_in, M, n)
+    corner = (torch.arange(blocks_out, device=device) * (M * in_f)).view(-1, 1, 1, 1) \
+        + (torch.arange(blocks_in, device=device) * M).view(1, 1, -1, 1)      # [BO, 1, BI, 1]
+    # Values order is row-major (block-row, row in block, block, kept column): the add writes that layout into a
+    # contiguous `out` (left to itself it would follow the transposed input's strides).
+    index = torch.empty(blocks_out, M, blocks_in, n, dtype=torch.int64, device=device)
+    return torch.add(corner, per_block.transpose(1, 2), out=index).view(-1)
+
+
+def kept_index(meta: NMMeta) -> torch.Tensor:
+    """int64 [out * k]: flat position in the dense [out, in] matrix of every kept value, in values order, derived
+    from the codes. A transient: build it where it is used, do not keep it (8 B per kept value)."""
     if meta.spec.layout == "block":
-        return decode(meta).view(-1).nonzero().view(-1)
-    k = meta.kept_per_row
-    group = torch.arange(k, device=meta.codes.device) // meta.spec.n
-    cols = group * M + _row_positions(meta)
-    rows = torch.arange(out_f, device=meta.codes.device).unsqueeze(1)
-    return (rows * in_f + cols).view(-1)
+        return _block_kept_index(meta)
+    return _row_kept_index(meta)
 
 
 def is_legal(meta: NMMeta) -> bool:
@@ -153,12 +206,9 @@ def gather_kept(dense: torch.Tensor, index: torch.Tensor, kept_per_row: int) -> 
 
 
 def scatter_kept(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """Dense [out, in] with `values` at a flat `kept_index` (int64, or int32 as layers cache it) and zeros
-    elsewhere."""
+    """Dense [out, in] with `values` at a flat int64 `kept_index` and zeros elsewhere."""
     dense = values.new_zeros(shape[0] * shape[1])
-    if index.dtype == torch.int64:
-        return dense.index_copy_(0, index, values.reshape(-1)).view(shape)
-    return dense.index_put_((index,), values.reshape(-1)).view(shape)   # index_copy_ takes int64 only
+    return dense.index_copy_(0, index, values.reshape(-1)).view(shape)
 
 
 def decompress(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
