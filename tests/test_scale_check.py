@@ -49,7 +49,7 @@ def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, r
     for part in backbone:
         assert part["values"] == 4 * KEPT                  # fp32 values on every rank
         assert part["codes"] == KEPT // 4                  # 2-bit codes of 1 kept value per group of 4, packed
-        assert part["index_cache"] == 4 * KEPT             # int32 flat index
+        assert part["index_cache"] == 0                    # no index cache: derived from the codes per call
     # Masters, V and P of each owned value, plus int64 tau and step counters per owned matrix, split over 2 ranks.
     assert sum(p["optimizer_state"] for p in backbone) == 12 * KEPT + 2 * 8 * MATRICES
     assert backbone[0]["grad_buffer"] == backbone[1]["grad_buffer"]

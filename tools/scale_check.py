@@ -19,7 +19,8 @@ after backward and before the optimizer step, when gradients are held too:
   backbone (the matrix engine)
     values             the compressed values (dense weights for dense methods) held by every rank
     codes              the packed pattern codes (uint8) -- persistent metadata
-    index_cache        NMSparseLinear's int32 flat index, cached per layer (runtime metadata; it is held)
+    index_cache        tensors an NMSparseLinear keeps besides values and codes (none: since issue 19 the flat index
+                       is derived from the codes per call, a transient)
     optimizer_state    masters and rule state of the owned matrices (`matrix.state_bytes()` less the buffer)
     grad_buffer        the fp32 flat gradient buffer [W x shard] (every rank holds all of it)
 Not counted (transient, but part of the peak): DeepSpeed's ZeRO-2 reduce bucket (`reduce_bucket_size` elements,
@@ -138,7 +139,8 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
     grad_buffer = storage_bytes(buffers, set())
     return {"values": storage_bytes((backbone_param(m) for m in modules), seen),
             "codes": storage_bytes((m.codes for m in sparse), seen),
-            "index_cache": storage_bytes((m._index for m in sparse), seen),
+            "index_cache": storage_bytes((t for m in sparse for t in vars(m).values() if isinstance(t, torch.Tensor)),
+                                         seen),
             "optimizer_state": matrix.state_bytes() - grad_buffer,
             "grad_buffer": storage_bytes(buffers, seen)}
 

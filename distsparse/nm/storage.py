@@ -119,16 +119,17 @@ def _row_slot_table(n: int, device: torch.device) -> torch.Tensor:
     phase * 256 + byte. A period of P bytes holds 4 * P slots = 4 * P / n whole groups; at 3:4 a group crosses a
     byte boundary, so the offset depends on the byte's phase b % 3."""
     period = 3 if n == 3 else 1
-    byte = torch.arange(256).unsqueeze(1)
-    pos = (byte >> (2 * torch.arange(M))) & 3                            # [256, 4] position of each slot
-    slot = M * torch.arange(period).view(-1, 1, 1) + torch.arange(M)     # [P, 1, 4] slot inside the period
+    cpu = torch.device("cpu")   # built on the CPU whatever the default device is, then moved
+    byte = torch.arange(256, device=cpu).unsqueeze(1)
+    pos = (byte >> (2 * torch.arange(M, device=cpu))) & 3                            # [256, 4] slot positions
+    slot = M * torch.arange(period, device=cpu).view(-1, 1, 1) + torch.arange(M, device=cpu)   # [P, 1, 4]
     return ((slot // n) * M + pos).view(-1, M).to(device)
 
 
 @functools.lru_cache(maxsize=None)
 def _motif_columns(n: int, device: torch.device) -> torch.Tensor:
     """int64 [P, 4, n]: the kept columns of each row of each motif, ascending (row-major nonzero)."""
-    motifs = block_motifs(n)
+    motifs = block_motifs(n, device="cpu")
     return motifs.nonzero()[:, 2].view(motifs.shape[0], M, n).to(device)
 
 
