@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from distsparse.config import CONFIG_ROOT, load_config
+from distsparse.config import CONFIG_ROOT, load_config, read_yaml
 from distsparse.models import backbone_modules, build_model
 from distsparse.optim.rules import get_rule
 from distsparse.train.topology_policy import build_refresh_params
@@ -60,6 +60,20 @@ def test_every_topology_preset_sets_the_papers_mpr_explicitly(preset):
     assert rho == paper_mpr_rho(preset, cfg.method.spec.n, cfg.method.spec.layout)
 
 
+BRANCH_PRESETS = [p for p in PRESETS if "branch" in read_yaml((CONFIG_ROOT / "method" / f"{p}.yaml").read_text())]
+
+
+@pytest.mark.parametrize("preset", BRANCH_PRESETS)
+def test_every_branch_preset_states_what_its_budget_counts(preset):
+    """CHTsNM's and Table 2's 1% CoMoLoRA keep the paper's rank convention (A and B only, App. H.5); the Table 4
+    branch comparison counts every branch parameter, so its kinds compare at equal parameters (decision 19)."""
+    raw = read_yaml((CONFIG_ROOT / "method" / f"{preset}.yaml").read_text())
+    assert "budget_counts" in raw["branch"], "stated in the preset, not left to the default"
+    paper_rank_convention = preset.startswith(("chtsnm_1of4", "chtsnm_2of4", "chts24_como_"))
+    cfg = load_config(None, [f"method.preset={preset}"])
+    assert cfg.method.branch.budget_counts == ("low_rank" if paper_rank_convention else "all")
+
+
 def test_paper_table_rows_exist():
     for name in ("dense_adamw", "dense_muon", "dense_tans", "chts_muon_1of4_row"):
         assert name in PRESETS
@@ -81,3 +95,6 @@ def test_60m_at_one_percent_gives_rank_seven():
     from distsparse.models import branch_rank
     cfg = load_config(None, ["model.preset=60m", "method.preset=chtsnm_1of4_row"])
     assert branch_rank(cfg.model, cfg.method) == 7
+    # The same 1% counting the controller too (Table 4's rule) leaves room for r = 6 (tests/test_branches.py).
+    cfg = load_config(None, ["model.preset=60m", "method.preset=chtsnm_como1_1of4_row"])
+    assert branch_rank(cfg.model, cfg.method) == 6
