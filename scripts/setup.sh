@@ -18,7 +18,7 @@ torch_installed() { python -c "import torch, sys; sys.exit(torch.__version__.spl
                       >/dev/null 2>&1; }
 if ! torch_installed; then
   pip install -q "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-  if ! has_gpu && [ "$(python -c 'import torch; print(torch.version.cuda is not None)')" = "True" ]; then
+  if ! has_gpu && [ "$(python -c 'import torch; print(torch.version.cuda is not None)' 2>/dev/null)" = "True" ]; then
     echo "setup: the configured index gave a CUDA build of torch on a machine without an NVIDIA GPU; rerun with" >&2
     echo "  .venv/bin/pip uninstall -y torch && TORCH_INDEX_URL=<PyTorch's CPU wheel index> bash scripts/setup.sh" >&2
     exit 1

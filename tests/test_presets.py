@@ -138,3 +138,17 @@ def test_the_geometry_only_ablation_steps_like_tans_on_the_same_gradients():
     shown = " ".join(f"{r:.3f}" for r in ratios)
     assert all(0.6 < r < 1.3 for r in ratios), shown
     assert all(0.75 < r < 1.25 for r in ratios[30:40] + ratios[70:80] + ratios[110:]), shown
+
+
+@pytest.mark.parametrize("vocab", [2048, 4096])
+def test_the_comparison_model_holds_most_of_its_parameters_in_the_backbone(vocab):
+    """small_tied (README Results): with a tied embedding and a 2048-4096 vocab the backbone is >= 60% of the
+    dense-equivalent parameters (75% at 4096), counted on the built model."""
+    from distsparse.models import parameter_counts
+    cfg = load_config(None, ["model.preset=small_tied", "method.preset=dense_adamw"])
+    model = build_model(cfg.model, cfg.method, vocab, seed=0)
+    counts = parameter_counts(model)
+    brute = sum(p.numel() for p in model.parameters())            # a tied head is one parameter
+    assert counts["total_dense_equivalent"] == brute
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert counts["backbone_dense_equivalent"] / brute >= 0.6
