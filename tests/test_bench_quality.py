@@ -140,7 +140,7 @@ def test_lr_sweep_runs_a_grid_of_both_rates_on_a_quarter_of_the_steps_and_trains
     entry = json.loads(out.read_text())["methods"]["chtsnm_1of4_row"]
     assert entry["lr"] == pytest.approx(0.5 * base) and entry["dense_lr"] == pytest.approx(4 * DEFAULT_TRAIN_LR)
     sweep = entry["lr_sweep"]
-    assert (sweep["chosen_lr_scale"], sweep["chosen_dense_lr_scale"], sweep["steps"]) == (0.5, 4.0, 10)
+    assert sweep["chosen_scales"] == [0.5, 4.0] and sweep["steps"] == 10
     assert sweep["chosen_on_edge"]                 # 0.5 and 4 are both ends of their axes
     assert [p["final_ppl"] for p in sweep["points"]] == pytest.approx([58.0, 54.0, 50.0, 68.0, 64.0, 60.0])
     assert "lr_sweep" not in json.loads(out.read_text())["methods"]["dense_adamw"]
@@ -162,7 +162,7 @@ def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_
     payload = json.loads(out.read_text())
     entry = payload["methods"]["chts24_1of4_row"]
     sweep = entry["lr_sweep"]
-    assert (sweep["chosen_lr_scale"], sweep["chosen_dense_lr_scale"], sweep["steps"]) == (0.5, 2.0, 40)
+    assert sweep["chosen_scales"] == [0.5, 2.0] and sweep["steps"] == 40
     assert not sweep["chosen_on_edge"]             # inside both axes
     assert entry["lr"] == pytest.approx(0.5 * base) and entry["dense_lr"] == pytest.approx(2 * DEFAULT_TRAIN_LR)
     assert entry["final_ppl"] == pytest.approx(50.0)

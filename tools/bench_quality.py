@@ -341,7 +341,8 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
                     "skipped": "LR sweep: no sweep run finished", **entry}
         best = min(finished, key=lambda p: p["final_ppl"])
         scale, dense_scale = best["lr_scale"], best["dense_lr_scale"]
-        entry["lr_sweep"].update(chosen_lr_scale=scale, chosen_dense_lr_scale=dense_scale,
+        # [backbone, dense side]; on the edge of the grid the optimum may lie outside it.
+        entry["lr_sweep"].update(chosen_scales=[scale, dense_scale],
                                  chosen_on_edge=on_grid_edge(scale, args.lr_scales) or
                                  on_grid_edge(dense_scale, args.dense_lr_scales))
         print(f"{label}: LR sweep chose backbone x{scale:g}, dense side x{dense_scale:g}", flush=True)
@@ -444,9 +445,9 @@ def sweep_note(entry: dict) -> str:
         rows.setdefault(p["lr_scale"], []).append(f"d{p['dense_lr_scale']:g} {ppl}")
     grid = "; ".join(f"b{b:g}: {' '.join(cells)}" for b, cells in rows.items())
     note = f"sweep ({sweep['steps']} steps) {grid}"
-    if "chosen_lr_scale" in sweep:
+    if "chosen_scales" in sweep:
         edge = " (edge)" if sweep["chosen_on_edge"] else ""
-        note += f" | best b{sweep['chosen_lr_scale']:g} d{sweep['chosen_dense_lr_scale']:g}{edge}"
+        note += f" | best b{sweep['chosen_scales'][0]:g} d{sweep['chosen_scales'][1]:g}{edge}"
     return note
 
 
