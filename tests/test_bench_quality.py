@@ -105,69 +105,81 @@ def fake_data(tmp_path):
     return data
 
 
-def fake_trainer(bench, calls, best_lr_scale, failing=()):
-    """PPL = 50 + 10 |log2(scale / best_lr_scale)| at every evaluation, so the best scale is known."""
+def fake_trainer(bench, calls, best_lr_scale, failing=(), best_dense_scale=1.0):
+    """PPL = 50 + 10 |log2(b / best_lr_scale)| + 4 |log2(d / best_dense_scale)| at every evaluation, b and d the
+    backbone and dense-side LRs over the preset's, so the best pair is known."""
     def train(args, run):
         calls.append(run)
         if run.method in failing:
             return bench.RunOutcome(None, None, None, [], "exit code 1: boom", 0.1)
-        scale = run.lr / preset_lr(run.method)
-        ppl = 50.0 + 10.0 * abs(math.log2(scale / best_lr_scale))
+        b, d = run.lr / preset_lr(run.method), run.dense_lr / DEFAULT_TRAIN_LR
+        ppl = 50.0 + 10.0 * abs(math.log2(b / best_lr_scale)) + 4.0 * abs(math.log2(d / best_dense_scale))
         tokens = args.micro_batch * args.seq_len
         curve = [[s * tokens, ppl] for s in range(run.eval_interval, run.steps + 1, run.eval_interval)]
         return bench.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
     return train
 
 
-def test_lr_sweep_runs_three_scales_on_a_quarter_of_the_steps_and_trains_at_the_best(bench, fake_data, tmp_path,
-                                                                                    monkeypatch):
+def test_lr_sweep_runs_a_grid_of_both_rates_on_a_quarter_of_the_steps_and_trains_at_the_best_pair(
+        bench, fake_data, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=2.0))
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=0.5, best_dense_scale=4.0))
     out = tmp_path / "q.json"
     assert bench.main(["--data", str(fake_data), "--methods", "dense_adamw,chtsnm_1of4_row", "--steps", "40",
-                       "--lr-sweep", "chtsnm_1of4_row", "--json", str(out), "--out-root", str(tmp_path)]) == 0
+                       "--lr-sweep", "chtsnm_1of4_row", "--lr-scales", "0.5,1", "--dense-lr-scales", "1,2,4",
+                       "--json", str(out), "--out-root", str(tmp_path)]) == 0
     base = preset_lr("chtsnm_1of4_row")
 
-    assert [(c.method, c.steps) for c in calls] == [("dense_adamw", 40)] + [("chtsnm_1of4_row", 10)] * 3 + \
+    assert [(c.method, c.steps) for c in calls] == [("dense_adamw", 40)] + [("chtsnm_1of4_row", 10)] * 6 + \
         [("chtsnm_1of4_row", 40)]
-    assert [c.lr for c in calls[1:4]] == pytest.approx([0.5 * base, base, 2 * base])
-    assert [c.dense_lr for c in calls[1:4]] == pytest.approx([0.5 * DEFAULT_TRAIN_LR, DEFAULT_TRAIN_LR,
-                                                              2 * DEFAULT_TRAIN_LR])
-    assert calls[4].lr == pytest.approx(2 * base) and calls[4].dense_lr == pytest.approx(2 * DEFAULT_TRAIN_LR)
+    grid = [(b, d) for b in (0.5, 1.0) for d in (1.0, 2.0, 4.0)]
+    assert [c.lr for c in calls[1:7]] == pytest.approx([b * base for b, _ in grid])
+    assert [c.dense_lr for c in calls[1:7]] == pytest.approx([d * DEFAULT_TRAIN_LR for _, d in grid])
+    assert [c.out_dir.name for c in calls[1:4]] == ["sweep_b0.5_d1", "sweep_b0.5_d2", "sweep_b0.5_d4"]
+    assert calls[7].lr == pytest.approx(0.5 * base) and calls[7].dense_lr == pytest.approx(4 * DEFAULT_TRAIN_LR)
     entry = json.loads(out.read_text())["methods"]["chtsnm_1of4_row"]
-    assert entry["lr"] == pytest.approx(2 * base) and entry["lr_sweep"]["chosen_scale"] == 2.0
-    assert entry["lr_sweep"]["steps"] == 10
-    assert [p["final_ppl"] for p in entry["lr_sweep"]["points"]] == pytest.approx([70.0, 60.0, 50.0])
+    assert entry["lr"] == pytest.approx(0.5 * base) and entry["dense_lr"] == pytest.approx(4 * DEFAULT_TRAIN_LR)
+    sweep = entry["lr_sweep"]
+    assert sweep["chosen_scales"] == [0.5, 4.0] and sweep["steps"] == 10
+    assert sweep["chosen_on_edge"]                 # 0.5 and 4 are both ends of their axes
+    assert [p["final_ppl"] for p in sweep["points"]] == pytest.approx([58.0, 54.0, 50.0, 68.0, 64.0, 60.0])
     assert "lr_sweep" not in json.loads(out.read_text())["methods"]["dense_adamw"]
 
 
 def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_run(bench, fake_data, tmp_path,
                                                                                     monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=0.25))
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, best_lr_scale=0.5, best_dense_scale=2.0))
     out = tmp_path / "q.json"
     assert bench.main(["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40", "--eval-points",
-                       "4", "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1,0.25,0.5", "--sweep-steps", "40",
-                       "--json", str(out), "--out-root", str(tmp_path)]) == 0
+                       "4", "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1,0.25,0.5", "--dense-lr-scales",
+                       "1,2,4", "--sweep-steps", "40", "--json", str(out), "--out-root", str(tmp_path)]) == 0
     base = preset_lr("chts24_1of4_row")
 
-    # Three runs, all full length and evaluated at the comparison's points; the 0.25x one is the result.
-    assert [(c.steps, c.eval_interval) for c in calls] == [(40, 10)] * 3
-    assert [c.lr for c in calls] == pytest.approx([base, 0.25 * base, 0.5 * base])
+    # Nine runs, all full length and evaluated at the comparison's points; the (0.5, 2) one is the result.
+    assert [(c.steps, c.eval_interval) for c in calls] == [(40, 10)] * 9
+    assert [c.lr for c in calls] == pytest.approx([b * base for b in (1, 0.25, 0.5) for _ in range(3)])
     payload = json.loads(out.read_text())
     entry = payload["methods"]["chts24_1of4_row"]
-    assert entry["lr_sweep"]["chosen_scale"] == 0.25 and entry["lr_sweep"]["steps"] == 40
-    assert entry["lr"] == pytest.approx(0.25 * base) and entry["final_ppl"] == pytest.approx(50.0)
+    sweep = entry["lr_sweep"]
+    assert sweep["chosen_scales"] == [0.5, 2.0] and sweep["steps"] == 40
+    assert not sweep["chosen_on_edge"]             # inside both axes
+    assert entry["lr"] == pytest.approx(0.5 * base) and entry["dense_lr"] == pytest.approx(2 * DEFAULT_TRAIN_LR)
+    assert entry["final_ppl"] == pytest.approx(50.0)
     assert [t for t, _ in entry["curve"]] == [s * 8 * 256 for s in (10, 20, 30, 40)]
-    assert entry["run_dir"] == str(tmp_path / "chts24_1of4_row" / "sweep_x0.25")
-    assert [p["scale"] for p in entry["lr_sweep"]["points"]] == [1.0, 0.25, 0.5]
+    assert entry["run_dir"] == str(tmp_path / "chts24_1of4_row" / "sweep_b0.5_d2")
+    assert [(p["lr_scale"], p["dense_lr_scale"]) for p in sweep["points"]] == \
+        [(b, d) for b in (1.0, 0.25, 0.5) for d in (1.0, 2.0, 4.0)]
     assert "lr_sweep" not in payload["config"]   # recorded per method
-    assert bench.sweep_note(entry) == "sweep (40 steps) x1 70.00, x0.25 50.00, x0.5 60.00"
+    assert bench.sweep_note(entry) == ("sweep (40 steps) b1: d1 64.00 d2 60.00 d4 64.00; "
+                                       "b0.25: d1 64.00 d2 60.00 d4 64.00; b0.5: d1 54.00 d2 50.00 d4 54.00 "
+                                       "| best b0.5 d2")
 
 
 @pytest.mark.parametrize("flag, value, allowed", [("--lr-scales", "0.5,-1", "distinct positive numbers"),
                                                   ("--lr-scales", "1,1", "distinct positive numbers"),
                                                   ("--lr-scales", "x", "distinct positive numbers"),
+                                                  ("--dense-lr-scales", "2,0", "distinct positive numbers"),
                                                   ("--sweep-steps", "41", "1 to --steps"),
                                                   ("--sweep-steps", "0", "1 to --steps")])
 def test_a_bad_sweep_setting_is_refused_naming_it(bench, fake_data, tmp_path, monkeypatch, capsys, flag, value,

@@ -1,6 +1,7 @@
 """One-shot N:M pruning (issue 8 item 4): Wanda and SparseGPT against float64 references written from their
 equations, legal 2:4 masks and the error ordering SparseGPT < Wanda < magnitude on a tiny LLaMA trained here,
-learned permutations against none, and tools/prune_oneshot.py end to end (export loads, logits match)."""
+learned permutations against none on that model with a planted channel structure, and tools/prune_oneshot.py end
+to end (export loads, logits match)."""
 
 import copy
 import itertools
@@ -146,16 +147,30 @@ def dense(tiny):
 
 
 @pytest.fixture(scope="module")
+def planted(dense):
+    """The trained model with a planted worst case for the identity permutation: every RMSNorm gain is x10 on
+    channels 0-3 and 8-11 of each 16 (one permutation block), so the q/k/v and gate/up inputs have two hot
+    groups of 4 per block. Unpermuted, 2:4 must drop half of the hot columns; the known best permutation puts
+    2 hot and 2 cold channels in every group and drops only cold ones."""
+    model = copy.deepcopy(dense)
+    hot = (torch.arange(model.config.hidden_size) // 4) % 2 == 0
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.mul_(torch.where(hot, 10.0, 1.0))
+    return model
+
+
+@pytest.fixture(scope="module")
 def pruned(tiny, dense):
-    """pruned(method, permutation, objective, lr) -> (model, PruneResult), computed once per setting."""
+    """pruned(method, permutation) -> (model, PruneResult), computed once per setting."""
     cache = {}
 
-    def get(method: str, permutation: str = "none", objective: str = "layer", lr: float = 0.1):
-        key = method, permutation, objective, lr
+    def get(method: str, permutation: str = "none"):
+        key = method, permutation
         if key not in cache:
             model = copy.deepcopy(dense)
-            cfg = PruneConfig(method=method, permutation=permutation,
-                              perm=PermutationConfig(block_size=16, objective=objective, lr=lr))
+            cfg = PruneConfig(method=method, permutation=permutation, perm=PermutationConfig(block_size=16))
             cache[key] = model, prune_model(model, tiny["ids"], cfg)
         return cache[key]
     return get
@@ -275,13 +290,19 @@ def test_reconstruction_error_orders_sparsegpt_below_wanda_below_magnitude(tiny,
     assert down["sparsegpt"] < 0.8 * down["wanda"] and down["wanda"] < 0.8 * down["magnitude"], down
 
 
-def test_learned_permutation_lowers_the_reconstruction_error_against_none(tiny, dense, pruned):
+def test_learned_permutation_lowers_the_reconstruction_error_against_none(tiny, planted):
+    """On the planted model (the identity is the worst grouping), learning must find a better one. Over 3 trained
+    models x 3 permutation seeds, at 1 and 2 threads, learned / none measured 0.54-0.65 (layer 0), 0.56-0.67
+    (last hidden state) and 0.50-0.67 (stack objective); the planted optimum 0.42-0.46, random ones 0.49-0.74.
+    On the unplanted model the channels have no grouping to exploit: learning gained 0-2% there over 3 seeds
+    (0 where the guard kept the identity), and which model 40 training steps reach depends on the BLAS kernels,
+    so no margin there holds on every machine."""
     caught = {}
-    layer0 = dense.model.layers[0]
+    layer0 = planted.model.layers[0]
     handle = layer0.register_forward_hook(
         lambda m, args, kwargs, out: caught.update(args=args, kwargs=kwargs, out=out), with_kwargs=True)
-    with torch.no_grad():
-        dense_final = dense.model(input_ids=tiny["ids"]).last_hidden_state
+    with torch.no_grad():   # no KV cache: a cache in the caught kwargs would grow with every layer-0 call below
+        dense_final = planted.model(input_ids=tiny["ids"], use_cache=False).last_hidden_state
     handle.remove()
 
     def layer0_gap(model):
@@ -290,17 +311,22 @@ def test_learned_permutation_lowers_the_reconstruction_error_against_none(tiny, 
 
     def final_gap(model):
         with torch.no_grad():
-            return cosine_gap(model.model(input_ids=tiny["ids"]).last_hidden_state, dense_final)
+            return cosine_gap(model.model(input_ids=tiny["ids"], use_cache=False).last_hidden_state, dense_final)
 
-    none, learned = pruned("wanda", "none")[0], pruned("wanda", "learned")[0]
+    def prune(permutation, **perm):
+        model = copy.deepcopy(planted)
+        cfg = PruneConfig(method="wanda", permutation=permutation, perm=PermutationConfig(block_size=16, **perm))
+        return model, prune_model(model, tiny["ids"], cfg)
+
+    (none, _), (learned, _) = prune("none"), prune("learned")
     # Layer 0 sees the same inputs in both runs: its cosine reconstruction is the objective being learned.
-    assert layer0_gap(learned) < 0.97 * layer0_gap(none), (layer0_gap(learned), layer0_gap(none))
-    assert final_gap(learned) < final_gap(none), (final_gap(learned), final_gap(none))
-    # The whole-stack objective is the cosine to the dense model's last hidden state itself. lr 0.05: over three
-    # seeds on this model it gained 4.8% on average at 0.05 and 1.6% at 0.1 (all 8 groups move at once).
-    stack, stack_result = pruned("wanda", "learned", "stack", 0.05)
+    assert layer0_gap(learned) < 0.8 * layer0_gap(none), (layer0_gap(learned), layer0_gap(none))
+    assert final_gap(learned) < 0.8 * final_gap(none), (final_gap(learned), final_gap(none))
+    # The whole-stack objective is the cosine to the dense model's last hidden state itself (all 8 groups move
+    # at once, hence the smaller lr).
+    stack, stack_result = prune("learned", objective="stack", lr=0.05)
     assert stack_result.stack["used_learned"]
-    assert final_gap(stack) < 0.97 * final_gap(none), (final_gap(stack), final_gap(none))
+    assert final_gap(stack) < 0.8 * final_gap(none), (final_gap(stack), final_gap(none))
 
 
 # ----------------------------------------------------------------------------------------------- the tool

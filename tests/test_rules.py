@@ -51,6 +51,16 @@ def grads(shape, num_steps, seed):
 # ---------------------------------------------------------------- TANS
 
 
+def rms_scale64(U, OM, O, M, rms_mode, eps):
+    """s of DESIGN s5's RMS modes in float64: RMS(U) / RMS(O_M) over the active entries, or over all entries."""
+    active = M.sum()
+    if rms_mode == "post_mask_active":
+        return (U.square().sum() / active).sqrt() / ((OM.square().sum() / active).sqrt() + eps)
+    if rms_mode == "pre_mask_global":
+        return U.square().mean().sqrt() / (O.square().mean().sqrt() + eps)
+    return 1.0
+
+
 def tans_reference(theta, gs, mask, hp: TansHParams, lr, shape):
     """DESIGN s5 / paper s3.2 in float64 on the dense frame, with tau = 0, 1, 2, ... (no refresh in between)."""
     M = mask.double()
@@ -60,14 +70,16 @@ def tans_reference(theta, gs, mask, hp: TansHParams, lr, shape):
     for tau, G in enumerate(gs):
         t = tau + 1
         G = G * M
+        V = b2 * V + (1 - b2) * G ** 2
+        V_used = V / (1 - b2 ** t) if hp.bias_correction else V
         if hp.geometry_only:
+            # NS of the raw masked momentum, scaled to the RMS of that momentum preconditioned by V.
             P = b1 * P + (1 - b1) * G
-            U = M * ((1 - b1) * G + b1 * P)
+            P_used = P / (1 - b1 ** t) if hp.bias_correction else P
+            U = M * ((1 - b1) * G + b1 * P_used)
             O = ns64(U / (U.norm() + eps), hp.ns_coefficients)
-            U_final = M * O
+            U_final = rms_scale64(U / (V_used.sqrt() + eps), M * O, O, M, hp.rms_mode, eps) * M * O
         else:
-            V = b2 * V + (1 - b2) * G ** 2
-            V_used = V / (1 - b2 ** t) if hp.bias_correction else V
             Gh = G / (V_used.sqrt() + eps)
             P = b1 * P + (1 - b1) * Gh
             P_used = P / (1 - b1 ** t) if hp.bias_correction else P
@@ -75,13 +87,7 @@ def tans_reference(theta, gs, mask, hp: TansHParams, lr, shape):
             X0 = U / (U.norm() + eps)
             O = ns64(X0, hp.ns_coefficients)
             OM = M * O
-            active = M.sum()
-            if hp.rms_mode == "post_mask_active":
-                s = (U.square().sum() / active).sqrt() / ((OM.square().sum() / active).sqrt() + eps)
-            elif hp.rms_mode == "pre_mask_global":
-                s = U.square().mean().sqrt() / (O.square().mean().sqrt() + eps)
-            else:
-                s = 1.0
+            s = rms_scale64(U, OM, O, M, hp.rms_mode, eps)
             gamma = hp.gamma_ns * (min(1.0, tau / hp.ramp_steps) if hp.ramp_steps else 1.0)
             U_final = U + gamma * (s * OM - U)
         theta = (1 - lr * hp.weight_decay) * theta - lr * math.sqrt(shape[0] / shape[1]) * U_final
@@ -124,10 +130,13 @@ def test_tans_equals_the_float64_reference_from_design_s5(layout, rms_mode, ramp
 
 @pytest.mark.parametrize("variant", [
     dict(geometry_only=True),
+    dict(geometry_only=True, rms_mode="none"),
+    dict(geometry_only=True, rms_mode="pre_mask_global", bias_correction=True),
     dict(bias_correction=True),
     dict(gamma_ns=0.0),
     dict(gamma_ns=1.0, ns_coefficients="kj_quintic"),
-], ids=["geometry_only", "bias_correction", "base_only", "kj_full_correction"])
+], ids=["geometry_only", "geometry_only_unscaled", "geometry_only_global_bias_corrected", "bias_correction",
+         "base_only", "kj_full_correction"])
 def test_tans_ablation_switches_equal_the_float64_reference(variant):
     shape, n = (20, 32), 2
     mask, index, k = sparse_case(shape, n, "row", seed=21)

@@ -1,9 +1,9 @@
 """Quality benchmark (issue 6 item 4): train several methods on the same text, rank them by validation PPL.
 
-    python tools/bench_quality.py --data data/pydocs --methods dense_adamw,chts24_1of4_row,chtsnm_1of4_row \\
-        --model small --steps 1500 --json runs/quality/quality.json --plot runs/quality/quality.png \\
-        [--lr-sweep chtsnm_1of4_row [--lr-scales 0.5,1,2] [--sweep-steps 1500]] [--force] [--nproc 1] \\
-        [--eval-points 10] [--out-root runs/quality]
+    python tools/bench_quality.py --data data/pydocs4k --methods dense_adamw,chts24_1of4_row,chtsnm_1of4_row \\
+        --model small_tied --steps 1500 --json runs/quality/quality.json --plot runs/quality/quality.png \\
+        [--lr-sweep chtsnm_1of4_row [--lr-scales 0.5,1,2] [--dense-lr-scales 1,2,4] [--sweep-steps 1500]] \\
+        [--force] [--nproc 1] [--eval-points 10] [--out-root runs/quality]
 
 Every method is one run of launch/pretrain.py in a subprocess (plain `python` for one process, the `deepspeed`
 launcher for --nproc N), all with the same model, seed, data order and token budget: the global batch
@@ -21,13 +21,15 @@ result there is skipped unless --force, so a long comparison can run in the back
 a JSON written under another comparison config are refused, not mixed). A method whose run failed is recorded
 with "skipped": reason, the comparison goes on, and the next invocation retries it.
 
-LR sweep (--lr-sweep): for the named methods, one run per --lr-scales factor (default 0.5x, 1x, 2x) of both
-learning rates (the preset's backbone `method.lr` and the dense-side `train.lr`, scaled together) on
---sweep-steps steps (default 1/4 of the steps, with the LR schedule compressed to that length), then the full
-run at the scale with the lowest final PPL. Short sweeps are cheap but biased towards high LRs (a high LR wins
-early and loses in the schedule's tail); with --sweep-steps equal to --steps every sweep point is a full run,
-evaluated at the comparison's token counts, and the best one is the method's result (no extra run). The JSON
-records the chosen LRs and every sweep point.
+LR sweep (--lr-sweep): for the named methods, a 2-D grid: every --lr-scales factor (default 0.5x, 1x, 2x) of the
+preset's backbone `method.lr` with every --dense-lr-scales factor (default 0.5x, 1x, 2x) of the dense-side
+`train.lr` (embeddings, norms, head, branches), one run per pair on --sweep-steps steps (default 1/4 of the steps,
+with the LR schedule compressed to that length), then the full run at the pair with the lowest final PPL. The two
+rates are swept independently because they want different values: how well the dense side is tuned must not
+decide a comparison of backbones. Short sweeps are cheap but biased towards high LRs (a high LR wins early and
+loses in the schedule's tail); with --sweep-steps equal to --steps every sweep point is a full run, evaluated at
+the comparison's token counts, and the best one is the method's result (no extra run). The JSON records every
+point, the chosen pair and whether it lies on the grid's edge (then the grid should be widened).
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
 `train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
@@ -84,11 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="LR warmup steps (default: the trainer's train.warmup_steps)")
     p.add_argument("--lr-sweep", default="", metavar="METHOD,...",
-                   help="methods to tune first: one run per --lr-scales factor of the preset's backbone lr "
-                        "(method.lr) and of the dense-side lr (train.lr), scaled together, each on --sweep-steps "
-                        "steps; the full run then uses the scale with the lowest final PPL")
+                   help="methods to tune first: one run per pair of a --lr-scales factor of the preset's backbone "
+                        "lr (method.lr) and a --dense-lr-scales factor of the dense-side lr (train.lr), each on "
+                        "--sweep-steps steps; the full run then uses the pair with the lowest final PPL")
     p.add_argument("--lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
-                   help=f"LR factors of the sweep (default {DEFAULT_LR_SCALES})")
+                   help=f"backbone LR (method.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
+    p.add_argument("--dense-lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
+                   help=f"dense-side LR (train.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
     p.add_argument("--sweep-steps", type=int, default=None,
                    help=f"steps per sweep run (default steps // {SWEEP_STEP_FRACTION}); equal to --steps, the "
                         "best sweep run is the method's result")
@@ -107,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.methods = _split_names(args.methods)
     args.lr_sweep = _split_names(args.lr_sweep)
-    args.lr_scales = _parse_scales(args.lr_scales)
+    args.lr_scales = _parse_scales(args.lr_scales, "--lr-scales")
+    args.dense_lr_scales = _parse_scales(args.dense_lr_scales, "--dense-lr-scales")
     if args.sweep_steps is None:
         args.sweep_steps = args.steps // SWEEP_STEP_FRACTION
     args.out_root = str(Path(args.out_root).resolve())   # the subprocess runs in the repository root
@@ -119,13 +124,13 @@ def _split_names(text: str) -> list[str]:
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def _parse_scales(text: str) -> list[float]:
+def _parse_scales(text: str, flag: str) -> list[float]:
     try:
         scales = [float(s) for s in _split_names(text)]
     except ValueError:
         scales = []
     if not scales or any(not math.isfinite(s) or s <= 0 for s in scales) or len(set(scales)) != len(scales):
-        raise ValueError(f"--lr-scales: got {text!r}; allowed: distinct positive numbers, comma-separated")
+        raise ValueError(f"{flag}: got {text!r}; allowed: distinct positive numbers, comma-separated")
     return scales
 
 
@@ -162,7 +167,7 @@ def _check_args(args: argparse.Namespace) -> None:
 class RunSpec:
     """One launch/pretrain.py run: the overrides that differ between runs of a comparison."""
 
-    label: str                  # shown before every log line, e.g. "chts24_1of4_row x0.5"
+    label: str                  # shown before every log line, e.g. "chts24_1of4_row b0.5 d2"
     method: str
     steps: int
     eval_interval: int
@@ -313,40 +318,52 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
     method_dir = Path(args.out_root) / method
     entry: dict[str, Any] = {}
     eval_interval = args.steps // args.eval_points
-    scale, chosen = 1.0, None
+    scale, dense_scale, chosen = 1.0, 1.0, None
     if method in args.lr_sweep:
         full_length = args.sweep_steps == args.steps
         sweep_eval = eval_interval if full_length else args.sweep_steps   # a full-length point may be the result
-        outcomes = {}   # scale -> (spec, outcome)
-        for i, s in enumerate(args.lr_scales, start=1):
-            print(f"{label}: LR sweep {i}/{len(args.lr_scales)}: x{s} (method.lr {lr * s:.3g}, train.lr "
-                  f"{dense_lr * s:.3g}), {args.sweep_steps} steps", flush=True)
-            spec = RunSpec(f"{method} x{s}", method, args.sweep_steps, sweep_eval, lr * s, dense_lr * s,
-                           method_dir / f"sweep_x{s}")
-            outcomes[s] = (spec, train(args, spec))
-        points = [{"scale": s, "lr": spec.lr, "dense_lr": spec.dense_lr, "final_ppl": outcome.final_ppl,
-                   "skipped": outcome.skipped} for s, (spec, outcome) in outcomes.items()]
+        grid = [(b, d) for b in args.lr_scales for d in args.dense_lr_scales]
+        outcomes = {}   # (backbone scale, dense-side scale) -> (spec, outcome)
+        for i, (b, d) in enumerate(grid, start=1):
+            print(f"{label}: LR sweep {i}/{len(grid)}: backbone x{b:g} (method.lr {lr * b:.3g}), dense side "
+                  f"x{d:g} (train.lr {dense_lr * d:.3g}), {args.sweep_steps} steps", flush=True)
+            spec = RunSpec(f"{method} b{b:g} d{d:g}", method, args.sweep_steps, sweep_eval, lr * b, dense_lr * d,
+                           method_dir / f"sweep_b{b:g}_d{d:g}")
+            outcomes[(b, d)] = (spec, train(args, spec))
+        points = [{"lr_scale": b, "dense_lr_scale": d, "lr": spec.lr, "dense_lr": spec.dense_lr,
+                   "final_ppl": outcome.final_ppl, "skipped": outcome.skipped}
+                  for (b, d), (spec, outcome) in outcomes.items()]
         # Per method: invocations that extend one JSON may sweep different methods differently.
         entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
         if not finished:
             return {"final_ppl": None, "curve": [], "lr": lr, "dense_lr": dense_lr,
                     "skipped": "LR sweep: no sweep run finished", **entry}
-        scale = min(finished, key=lambda p: p["final_ppl"])["scale"]
-        entry["lr_sweep"]["chosen_scale"] = scale
-        print(f"{label}: LR sweep chose x{scale}", flush=True)
+        best = min(finished, key=lambda p: p["final_ppl"])
+        scale, dense_scale = best["lr_scale"], best["dense_lr_scale"]
+        # [backbone, dense side]; on the edge of the grid the optimum may lie outside it.
+        entry["lr_sweep"].update(chosen_scales=[scale, dense_scale],
+                                 chosen_on_edge=on_grid_edge(scale, args.lr_scales) or
+                                 on_grid_edge(dense_scale, args.dense_lr_scales))
+        print(f"{label}: LR sweep chose backbone x{scale:g}, dense side x{dense_scale:g}", flush=True)
         if full_length:
-            chosen = outcomes[scale]
+            chosen = outcomes[(scale, dense_scale)]
     if chosen is not None:
         spec, outcome = chosen
     else:
-        spec = RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * scale, method_dir / "full")
+        spec = RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * dense_scale,
+                       method_dir / "full")
         outcome = train(args, spec)
     wall_s = round(outcome.wall_s, 1) if outcome.wall_s is not None else None
-    return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": lr * scale, "dense_lr": dense_lr * scale,
+    return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": spec.lr, "dense_lr": spec.dense_lr,
             "skipped": outcome.skipped, "final_val_loss": outcome.final_val_loss,
             "final_train_loss": outcome.final_train_loss, "wall_s": wall_s, "nproc": args.nproc,
             "run_dir": str(spec.out_dir), **entry}
+
+
+def on_grid_edge(scale: float, scales: list[float]) -> bool:
+    """True when `scale` is the smallest or the largest of a sweep axis with more than one value."""
+    return len(scales) > 1 and scale in (min(scales), max(scales))
 
 
 # ---- comparison ------------------------------------------------------------------------------------------
@@ -406,21 +423,32 @@ def print_results(methods: dict[str, dict]) -> None:
     for name in ranked:
         entry = methods[name]
         if entry["final_ppl"] is None:
-            rows.append([name, "-", "-", "-", f"{entry['lr']:.3g}", f"skipped: {entry['skipped']}"[:100]])
+            rows.append([name, "-", "-", "-", f"{entry['lr']:.3g}", f"{entry['dense_lr']:.3g}",
+                         f"skipped: {entry['skipped']}"[:100]])
             continue
         rows.append([name, f"{entry['final_ppl']:.2f}",
                      *(f"{ratios[name][k]:.3f}" if ratios[name][k] is not None else "-"
-                       for k in ("vs_dense", "vs_chts24")), f"{entry['lr']:.3g}", sweep_note(entry)])
-    print_table(["method", "final PPL", f"/ {REFERENCE_DENSE}", "/ chts24 same N:M", "lr", "note"], rows)
+                       for k in ("vs_dense", "vs_chts24")), f"{entry['lr']:.3g}", f"{entry['dense_lr']:.3g}",
+                     sweep_note(entry)])
+    print_table(["method", "final PPL", f"/ {REFERENCE_DENSE}", "/ chts24 same N:M", "lr", "dense lr", "note"], rows)
 
 
 def sweep_note(entry: dict) -> str:
-    """`sweep (375 steps) x0.5 63.67, x1 75.99, x2 162.34`: every point's final PPL; "" for an unswept method."""
+    """`sweep (1500 steps) b0.5: d1 63.67 d2 60.12; b1: d1 58.40 d2 57.93 | best b1 d2 (edge)`: every point's
+    final PPL by backbone scale b and dense-side scale d, and the chosen pair; "" for an unswept method."""
     if "lr_sweep" not in entry:
         return ""
-    points = ", ".join(f"x{p['scale']:g} " + (f"{p['final_ppl']:.2f}" if p["final_ppl"] is not None else "failed")
-                       for p in entry["lr_sweep"]["points"])
-    return f"sweep ({entry['lr_sweep']['steps']} steps) {points}"
+    sweep = entry["lr_sweep"]
+    rows: dict[float, list[str]] = {}
+    for p in sweep["points"]:
+        ppl = f"{p['final_ppl']:.2f}" if p["final_ppl"] is not None else "failed"
+        rows.setdefault(p["lr_scale"], []).append(f"d{p['dense_lr_scale']:g} {ppl}")
+    grid = "; ".join(f"b{b:g}: {' '.join(cells)}" for b, cells in rows.items())
+    note = f"sweep ({sweep['steps']} steps) {grid}"
+    if "chosen_scales" in sweep:
+        edge = " (edge)" if sweep["chosen_on_edge"] else ""
+        note += f" | best b{sweep['chosen_scales'][0]:g} d{sweep['chosen_scales'][1]:g}{edge}"
+    return note
 
 
 def plot(path: Path, methods: dict[str, dict], config: dict[str, Any]) -> None:

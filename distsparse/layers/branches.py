@@ -27,11 +27,15 @@ App. K (the exact Add+Align and Prod-Gate formulas) is not in our text:
 - prod_gate is the product-only member of the s4.4 family: p(x) = 1 + gamma tanh(G_out(x)) with G_out an MLP to
   O outputs, zero-initialized last layer (DESIGN s5).
 
-Budget (DESIGN s5): a percentage of the whole dense model's parameter count at reference vocab 32000. The budget
-buys the size knob `rank`: the low-rank factors A and B for add / add_align / como (CoMoLoRA's controller rides on
-top: App. H.5 lists "budget 1%, rank 7, hidden 2" and only the rank can be sized by a budget), and the whole
-G_out for prod_gate, whose only size is its hidden width, so for prod_gate `rank` is that width and `hidden` is
-unused. With this rule LLaMA-60M at 1% gives r = 7 (tests/test_branches.py has the arithmetic).
+Budget (DESIGN s5, decision 19): a percentage of the whole dense model's parameter count at reference vocab 32000.
+The budget buys the size knob `rank`: the rank of A and B for add / add_align / como, and G_out's hidden width for
+prod_gate (its only size, so for prod_gate `rank` is that width and `hidden` is unused). What the budget counts:
+- `all` (default): every trainable parameter of the branch, CoMoLoRA's controller included, so a budget means the
+  same parameter count for every kind (up to one rank step).
+- `low_rank`: A and B only, the controller on top: the paper's rank convention (App. H.5 lists "budget 1%, rank 7,
+  hidden 2"; LLaMA-60M at 1% gives r = 7 this way, 1.066% with the controller, and r = 6 with `all`).
+  prod_gate has nothing outside its gate, so both rules count the whole gate.
+tests/test_branches.py has the arithmetic.
 
 Branch parameters are dense and train on the DeepSpeed side with AdamW (DESIGN decision 10). Plain LoRA folds into
 the weight for export; como and prod_gate are input-dependent and do not (DESIGN decision 13).
@@ -46,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BRANCH_KINDS = ("none", "add", "add_align", "prod_gate", "como")
+BUDGET_COUNTS = ("all", "low_rank")
 FOLDABLE_KINDS = ("none", "add", "add_align")
 ALIGN_WEIGHT = 0.1   # lambda of add_align; research/cht_topology.md s8 gives no value ("tune lambda")
 
@@ -264,31 +269,33 @@ def branch_params(kind: str, in_features: int, out_features: int, rank: int, hid
     return lora + _gate_params(in_features, hidden, rank) if kind == "como" else lora
 
 
-def _budgeted_params(kind: str, in_features: int, out_features: int, rank: int) -> int:
-    """What the budget pays for (module docstring): A and B, or the whole G_out of prod_gate."""
-    if kind == "prod_gate":
-        return _gate_params(in_features, rank, out_features)
+def budgeted_params(kind: str, in_features: int, out_features: int, rank: int, hidden: int, counts: str) -> int:
+    """The parameters of one branch that its budget pays for (module docstring): all of them, or A and B only."""
+    if counts not in BUDGET_COUNTS:
+        raise ValueError(f"branch budget_counts: got {counts!r}; allowed: {', '.join(BUDGET_COUNTS)}")
+    if counts == "all" or kind == "prod_gate":
+        return branch_params(kind, in_features, out_features, rank, hidden)
     return rank * (in_features + out_features)
 
 
 def rank_for_budget(kind: str, budget_percent: float, dense_model_params: int,
-                    projection_shapes: list[tuple[int, int]], hidden: int) -> int:
-    """Largest `rank` whose budgeted branch parameters, summed over every sparse projection (in, out), stay within
-    budget_percent of the whole dense model's parameter count (reference vocab 32000). 0 for kind `none`.
-    `hidden` is accepted for every kind so callers stay uniform; the controller is not part of the budget."""
+                    projection_shapes: list[tuple[int, int]], hidden: int, counts: str = "all") -> int:
+    """Largest `rank` whose budgeted branch parameters (`counts`: all | low_rank), summed over every sparse
+    projection (in, out), stay within budget_percent of the whole dense model's parameter count (reference vocab
+    32000). 0 for kind `none`. Both counts are affine in the rank, so the rank is solved for, not searched."""
     _check_kind(kind)
     if kind == "none":
         return 0
     if not budget_percent > 0:
         raise ValueError(f"branch budget_percent: got {budget_percent!r}; allowed: a number > 0")
     budget = budget_percent / 100.0 * dense_model_params
-    fixed = sum(_budgeted_params(kind, i, o, 0) for i, o in projection_shapes)
-    slope = sum(_budgeted_params(kind, i, o, 1) for i, o in projection_shapes) - fixed
+    fixed = sum(budgeted_params(kind, i, o, 0, hidden, counts) for i, o in projection_shapes)
+    slope = sum(budgeted_params(kind, i, o, 1, hidden, counts) for i, o in projection_shapes) - fixed
     rank = int((budget - fixed) // slope)
     if rank < 1:
         raise ValueError(
             f"branch budget_percent: got {budget_percent!r} ({budget:.0f} of {dense_model_params} parameters); "
-            f"a rank-1 {kind} branch needs {fixed + slope}, i.e. "
+            f"a rank-1 {kind} branch needs {fixed + slope} ({counts} counted), i.e. "
             f"{100.0 * (fixed + slope) / dense_model_params:.4f}%")
     return rank
 

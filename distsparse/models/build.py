@@ -74,16 +74,24 @@ def _core(old: nn.Linear, method: MethodConfig, name: str, seed: int, init_std: 
         raise ValueError(f"method.latent_args: {err}") from None
 
 
+def reference_dense_params(hidden: int, ffn: int, layers: int, tied: bool) -> int:
+    """The whole dense model's parameter count at the reference vocab 32000: what a branch budget is a percentage
+    of (DESIGN s5). Embedding and head (one matrix when tied), 4 attention and 3 MLP projections and 2 norms per
+    layer, the final norm."""
+    embeddings = (1 if tied else 2) * REFERENCE_VOCAB * hidden
+    return embeddings + layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + hidden
+
+
 def branch_rank(model_cfg: ModelConfig, method: MethodConfig) -> int:
-    """The branch rank: explicit, or the largest within `budget_percent` of the whole dense model's parameter
-    count at the reference vocab 32000 (DESIGN s5: 60m at 1% gives r = 7)."""
+    """The branch rank: explicit, or the largest whose budgeted parameters (method.branch.budget_counts) fit in
+    `budget_percent` of `reference_dense_params` (DESIGN s5: 60m at 1% gives r = 7 counting A and B only)."""
     b = method.branch
     if b.budget_percent == 0:
         return b.rank
     d, ff, layers = model_cfg.hidden_size, model_cfg.ffn_width, model_cfg.num_hidden_layers
-    dense = 2 * REFERENCE_VOCAB * d + layers * (4 * d * d + 3 * d * ff + 2 * d) + d
+    dense = reference_dense_params(d, ff, layers, model_cfg.tie_word_embeddings)
     shapes = [(d, d)] * 4 * layers + [(d, ff)] * 2 * layers + [(ff, d)] * layers
-    return rank_for_budget(b.kind, b.budget_percent, dense, shapes, b.hidden)
+    return rank_for_budget(b.kind, b.budget_percent, dense, shapes, b.hidden, b.budget_counts)
 
 
 # Projections reading the same input share one permutation (DESIGN decision 12).
@@ -166,8 +174,10 @@ def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, s
     return model
 
 
-def parameter_counts(model: nn.Module) -> dict[str, int]:
-    """Active backbone weights, dense-side parameters (embeddings, norms, head, branches) and totals."""
+def parameter_counts(model: nn.Module) -> dict[str, int | float]:
+    """Active backbone weights, dense-side parameters (embeddings, norms, head, branches) and totals; the branch's
+    base (`reference_dense_params` of this model's shape) and its realized share of it in percent, the number a
+    `method.branch.budget_percent` is a bound on."""
     backbone = dense_equiv = branch = 0
     for name in projection_names(model):
         outer = model.get_submodule(name)
@@ -182,8 +192,12 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
             dense_equiv += mod.weight.numel()
     backbone_ids = {id(backbone_param(backbone_core(model.get_submodule(n)))) for n in projection_names(model)}
     other = sum(p.numel() for p in model.parameters() if id(p) not in backbone_ids)
+    cfg = model.config
+    base = reference_dense_params(cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                                  cfg.tie_word_embeddings)
     return {"backbone_active": backbone, "backbone_dense_equivalent": dense_equiv, "branch": branch,
-            "dense_side": other, "total": backbone + other, "total_dense_equivalent": dense_equiv + other}
+            "dense_side": other, "total": backbone + other, "total_dense_equivalent": dense_equiv + other,
+            "branch_budget_base": base, "branch_percent": 100.0 * branch / base}
 
 
 def backbone_param(core: nn.Module) -> nn.Parameter:

@@ -95,11 +95,12 @@ class TansHParams:
       ramp_steps    B_ramp: gamma = gamma_ns * min(1, tau / B_ramp); 0 = no ramp (gamma_ns from tau = 0).
       rms_mode      none (s = 1) | pre_mask_global (s = RMS_all(scatter U) / RMS_all(O), over out*in entries)
                     | post_mask_active (s = RMS(U) / RMS(O_M), over the active entries; the paper's rule).
-      geometry_only masked Muon inside TANS (paper s4.3 "geometry-only"): U' = O_M, the NS of the masked
-                    Nesterov momentum of the raw gradient (P = b1 P + (1-b1) G, U = (1-b1) G + b1 P); V,
-                    gamma_ns, ramp_steps, rms_mode and bias_correction then have no effect. With beta1 = the
-                    momentum it is rule `muon` with TANS's fan-ratio scale sqrt(out/in) in place of
-                    KellerJordan's max(1, out/in)^0.5 (the 1/||U|| pre-normalization changes nothing).
+      geometry_only masked Muon inside TANS (paper s4.3 "geometry-only"): U' = s O_M, the NS of the masked
+                    Nesterov momentum of the raw gradient (P = b1 P + (1-b1) G, U = (1-b1) G + b1 P), scaled by
+                    rms_mode to the RMS of U / (sqrt(V) + eps), i.e. to TANS's base-update step size, so that
+                    the ablation differs from TANS in direction, not in step size; gamma_ns and ramp_steps have
+                    no effect. With rms_mode none (s = 1) and beta1 = the momentum it is rule `muon` with TANS's
+                    fan-ratio scale sqrt(out/in) in place of KellerJordan's max(1, out/in)^0.5.
       bias_correction  Adam-style correction (the paper has none): V / (1 - b2^t) and P / (1 - b1^t), t the
                     matrix's step count (not reset by refreshes).
     """

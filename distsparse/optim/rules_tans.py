@@ -7,6 +7,10 @@ On the active support (G, V, P, U are [out, k]; dense matrices: index None, [out
     s  = RMS(U) / (RMS(O_M) + eps)         over the active entries (rms_mode post_mask_active)
     gamma = gamma_NS min(1, tau / B_ramp)  U' = U + gamma (s O_M - U)
     theta = (1 - lr wd) theta - lr sqrt(d_out / d_in) U'
+geometry_only (paper s4.3, Table 3): the same V, P = b1 P + (1-b1) G and U = (1-b1) G + b1 P on the raw gradient,
+    U' = s O_M with O_M from U as above and s = RMS(U / (sqrt(V) + eps)) / (RMS(O_M) + eps): the NS direction of the
+    masked momentum at the step size of TANS's base update (rms_mode picks the RMS as for TANS; none: s = 1, the
+    unscaled masked Muon step, 17-37x smaller than TANS's at the same lr on the small model).
 tau counts optimizer steps since the matrix's last refresh (the first step after one has tau = 0: the pure base
 update; NS is skipped whenever gamma = 0). `newton_schulz` normalizes X0 again, as every NS kernel does; X0
 has unit norm, so that only applies the kernel's safety factor (X0 / 1.01 for Polar Express).
@@ -57,13 +61,17 @@ def step_tans(master: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.T
     tau = int(state["tau"])
     state["tau"] += 1
     state["step"] += 1
+    step = int(state["step"])
+    V.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
+    second = V / (1 - hp.beta2 ** step) if hp.bias_correction else V
     if hp.geometry_only:
         P.lerp_(grad, 1 - hp.beta1)
-        direction = _geometry(grad.lerp(P, hp.beta1), hp, index, shape)[0]
+        first = P / (1 - hp.beta1 ** step) if hp.bias_correction else P
+        momentum = grad.lerp(first, hp.beta1)            # U = (1-b1) G + b1 P of the raw gradient
+        ortho_m, ortho = _geometry(momentum, hp, index, shape)
+        # TANS's step size: the same momentum preconditioned by V has the RMS of TANS's base update.
+        direction = ortho_m * _rms_scale(momentum / (second.sqrt() + hp.eps), ortho_m, ortho, hp, shape)
     else:
-        step = int(state["step"])
-        V.mul_(hp.beta2).addcmul_(grad, grad, value=1 - hp.beta2)
-        second = V / (1 - hp.beta2 ** step) if hp.bias_correction else V
         g_hat = grad / (second.sqrt() + hp.eps)
         P.lerp_(g_hat, 1 - hp.beta1)
         first = P / (1 - hp.beta1 ** step) if hp.bias_correction else P
