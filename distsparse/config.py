@@ -28,6 +28,7 @@ RULES = ("adam", "adamw", "muon", "tans", "adams")
 DTYPES = ("fp32", "bf16", "auto")
 BRANCH_KINDS = ("none", "add", "add_align", "prod_gate", "como")
 PERMUTATION_MODES = ("none", "identity", "random", "learned")
+BUDGET_COUNTS = ("all", "low_rank")
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:
@@ -93,12 +94,14 @@ class TopologyConfig:
 class BranchConfig:
     kind: str = "none"
     budget_percent: float = 0.0        # of the whole dense model at reference vocab 32000; 0: use `rank`
+    budget_counts: str = "all"         # all: every trainable branch parameter; low_rank: A and B only (App. H.5)
     rank: int = 0
     hidden: int = 2
     gamma: float = 0.5
 
     def __post_init__(self) -> None:
         _choice("method.branch.kind", self.kind, BRANCH_KINDS)
+        _choice("method.branch.budget_counts", self.budget_counts, BUDGET_COUNTS)
         _positive("method.branch.budget_percent", self.budget_percent, allow_zero=True)
         if self.kind != "none" and self.budget_percent == 0 and self.rank <= 0:
             raise ValueError(f"method.branch: kind {self.kind!r} needs budget_percent > 0 or rank > 0")

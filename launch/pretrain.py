@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         from distsparse.models import build_model, parameter_counts
         model = build_model(cfg.model, cfg.method, cfg.model.vocab_size or meta["vocab_size"], cfg.train.seed)
         for key, value in parameter_counts(model).items():
-            print(f"{key:28s} {value:>14,d}")
+            print(f"{key:28s} {value:>14,d}" if isinstance(value, int) else f"{key:28s} {value:>14.4f}")
         return 0
 
     try:
