@@ -5,8 +5,6 @@ import torch
 
 from distsparse.config import CONFIG_ROOT, load_config
 from distsparse.models import backbone_modules, build_model
-from distsparse.optim.rules import get_rule
-from distsparse.train.topology_policy import build_refresh_params
 
 PRESETS = sorted(p.stem for p in (CONFIG_ROOT / "method").glob("*.yaml"))
 
@@ -17,8 +15,7 @@ def test_every_method_preset_builds_a_tiny_model(preset):
     header = [line for line in (CONFIG_ROOT / "method" / f"{preset}.yaml").read_text().splitlines()
               if line.startswith("#")]
     assert any("lr" in line for line in header), "a preset states its learning rate and its source"
-    get_rule(cfg.method.rule).hparams(lr=cfg.method.lr, **cfg.method.rule_args)
-    build_refresh_params(cfg.method.topology)
+    cfg.method.rule_params, cfg.method.topology.params, cfg.method.latent_params   # typed settings build
     model = build_model(cfg.model, cfg.method, 64, seed=0)
     assert len(backbone_modules(model)) == 7 * cfg.model.num_hidden_layers
     x = torch.randint(0, 64, (1, 8))
