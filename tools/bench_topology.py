@@ -45,7 +45,6 @@ from distsparse.config import Config, load_config
 from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.nm import decode
 from distsparse.optim.engine import MatrixEngine
-from distsparse.optim.rules import get_rule
 from distsparse.topology import RefreshParams, ch_scores
 from distsparse.train.topology_policy import TopologyPolicy
 
@@ -112,7 +111,7 @@ def build_engine(cfg: Config, seed: int) -> tuple[MatrixEngine, dict[str, torch.
     """The backbone of `build_model` and its engine, built as the trainer's `build_matrix_engine` does
     (fp32 masters from the fp32 model); W = 1 without a process group."""
     backbone = backbone_modules(build_model(cfg.model, cfg.method, VOCAB, seed))
-    hparams = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr, **cfg.method.rule_args)
+    hparams = cfg.method.rule_params
     initial = {name: backbone_param(m).detach().float().clone() for name, m in backbone.items()}
     engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
                           reduce_dtype=cfg.engine.reduce_dtype, initial_values=initial)
