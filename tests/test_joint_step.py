@@ -229,3 +229,35 @@ def test_the_step_scalars_travel_in_one_all_reduce_and_no_norm_is_computed_witho
             assert seen["vector_norm"] == 0 and "optim/grad_norm" not in metrics, (seen, metrics)
         else:
             assert seen["vector_norm"] > 0 and metrics["optim/grad_norm"] > 0
+
+
+PATCHED = ("scaled_global_norm", "check_overflow")
+
+
+def _dense_step_raises(rank, world_size, data_dir, out_dir):
+    _, trainer = _trainer(data_dir, out_dir, ["train.dtype=bf16", "train.grad_clip=1.0"], bf16_overflow_check=False)
+    opt = trainer.engine.optimizer
+    step = trainer.engine.step
+    seen = {}
+
+    def failing():   # DeepSpeed's step fails after the joint step has set it up
+        seen.update(patched=[k for k in PATCHED if k in vars(opt)], check=opt.check_grad_overflow)
+        opt.clip_grad = 123.0
+        raise RuntimeError("injected failure inside DeepSpeed's step")
+
+    trainer.engine.step = failing
+    try:
+        trainer.train_step([_batch(rank)])
+    except RuntimeError as err:
+        seen["error"] = str(err)
+    trainer.engine.step = step
+    restored = {"patched": [k for k in PATCHED if k in vars(opt)], "check": opt.check_grad_overflow,
+                "clip": opt.clip_grad}
+    trainer.close()
+    return seen, restored
+
+
+def test_deepspeeds_optimizer_is_restored_even_when_its_step_fails(ranks2, data_dir, tmp_path):
+    for seen, restored in ranks2.run(_dense_step_raises, data_dir, str(tmp_path)):
+        assert seen == {"patched": list(PATCHED), "check": True, "error": "injected failure inside DeepSpeed's step"}
+        assert restored == {"patched": [], "check": False, "clip": 1.0}
