@@ -78,7 +78,8 @@ class DeepSpeedSide:
 
     def step(self, joint_norm: float, skip: bool) -> None:
         """DeepSpeed's boundary step with the joint norm (its clip coefficient becomes the joint one), or its own
-        skip path when `skip`. Raises if DeepSpeed disagrees about having applied the step."""
+        skip path when `skip` (the norm is then not read). Raises if DeepSpeed disagrees about having applied the
+        step."""
         opt = self.optimizer
         norm = torch.tensor(joint_norm, dtype=torch.float32, device=CPU)
 

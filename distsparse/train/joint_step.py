@@ -113,7 +113,7 @@ class JointOptimizer:
         norm = math.sqrt(dense_sq + backbone_sq) if norm_wanted and finite else None
         coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 and finite else 1.0
         # phase 3: dense side (DeepSpeed's own clip with the joint norm, or its skip path)
-        self.dense.step(norm if norm is not None else (0.0 if finite else math.inf), skip=not finite)
+        self.dense.step(norm if norm is not None else 0.0, skip=not finite)
         # phase 4: backbone, refresh when due
         taken = self.step_index + 1
         metrics: dict[str, float] = {}
