@@ -210,17 +210,18 @@ class _Rank:
     def build_sparse(self) -> None:
         import deepspeed
 
-        from distsparse.models import backbone_modules, backbone_param, build_model
+        from distsparse.models import backbone_modules, build_model
         from distsparse.optim.engine import MatrixEngine
         from distsparse.train.ds_config import build_ds_config
+        from distsparse.train.trainer import dense_side_parameters
         if self.sparse is not None:
             return
         self.sparse = build_model(self.cfg_sparse.model, self.cfg_sparse.method, self.args.vocab, seed=0)
         self.backbone = backbone_modules(self.sparse)
-        excluded = {id(backbone_param(m)) for m in self.backbone.values()}
-        self.side_params = [p for p in self.sparse.parameters() if id(p) not in excluded and p.requires_grad]
+        groups = dense_side_parameters(self.sparse, self.backbone)
+        self.side_params = [p for group in groups for p in group["params"]]
         self.side_engine, _, _, _ = deepspeed.initialize(
-            model=self.sparse, model_parameters=[{"params": self.side_params}],
+            model=self.sparse, model_parameters=groups,
             config=build_ds_config(ROOT / "configs/ds/zero2.json", self.cfg_sparse))
         self.side_grads = _synthetic_grads(self.side_params, 20 + self.rank)
         self.tans_sharded = MatrixEngine(self.backbone, rule="tans", hparams=self.tans_hp, mode="sharded")
