@@ -113,6 +113,8 @@ def _clip_then_no_clip(rank, world_size, data_dir, out_dir):
         scale[0] = target / math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
         grads = {n: g * scale[0] for n, g in grads.items()}
         hooks = [backbone_param(m).register_hook(lambda g: g * boost) for m in trainer.backbone.values()]
+        if boost == 1.0:   # what a checkpoint written by the old trainer loads: a threshold rescaled for one step
+            trainer.engine.optimizer.clip_grad = 0.3
         before = _weights(trainer)
         metrics = trainer.train_step([_batch(rank)])
         trainer.step += 1

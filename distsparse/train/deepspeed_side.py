@@ -17,8 +17,9 @@ stage_1_and_2.py) offers it:
                          non-finite backbone gradient skips the dense side and nothing non-finite reaches Adam.
 
 `step` swaps `scaled_global_norm`, `check_overflow` and `check_grad_overflow` on the optimizer instance for the one
-call and restores them, and the clip threshold, in `finally`. The norm it hands over is a CPU tensor: DeepSpeed's
-own validity check of it (`is_invalid_grad_norm`, a bool()) then costs no device sync.
+call and restores them in `finally`, where it also sets the clip threshold to train.grad_clip (as it does before
+the call: a checkpoint written before the joint step existed may have loaded a stale one). The norm it hands over
+is a CPU tensor: DeepSpeed's own validity check of it (`is_invalid_grad_norm`, a bool()) then costs no device sync.
 """
 
 from __future__ import annotations
@@ -86,15 +87,18 @@ class DeepSpeedSide:
         def check_overflow(partition_gradients: bool = True) -> None:
             opt.overflow = skip
 
-        saved_check, saved_clip = opt.check_grad_overflow, opt.clip_grad
+        saved_check = opt.check_grad_overflow
         opt.scaled_global_norm = lambda norm_type=2: norm
         opt.check_overflow = check_overflow
         opt.check_grad_overflow = True
+        # The threshold is train.grad_clip, whatever a checkpoint loaded: files written before the joint step
+        # existed hold a threshold rescaled for one step.
+        opt.clip_grad = self.grad_clip
         try:
             self.engine.step()
         finally:
             del opt.scaled_global_norm, opt.check_overflow   # the class methods again
-            opt.check_grad_overflow, opt.clip_grad = saved_check, saved_clip
+            opt.check_grad_overflow, opt.clip_grad = saved_check, self.grad_clip
         applied = self.engine.was_step_applied()
         if applied == skip:
             raise RuntimeError(f"DeepSpeed step applied: {applied}, joint step asked to skip: {skip} "

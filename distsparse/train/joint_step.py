@@ -12,7 +12,7 @@ benchmarks all step through `JointOptimizer`, and nobody else writes this sequen
                   norm wanted (not a logging step) they are finiteness flags (0 or inf) instead: no norm work.
                   finite = the joint norm is finite: both sides step, or both skip.
       3 dense     DeepSpeed's step, handed the joint norm: it scales by min(1, clip / (norm + 1e-6)), the one
-                  coefficient; its threshold stays train.grad_clip (restored in `finally` all the same).
+                  coefficient; its threshold is train.grad_clip before the step and after it (`finally`).
                   A non-finite norm takes DeepSpeed's own skip path: nothing non-finite reaches Adam.
       4 backbone  owners' rule step with the same coefficient; the topology refresh when due; all-gather
       5 hooks     method hooks after the step (ShuffleSparse hardening), metrics

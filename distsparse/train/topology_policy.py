@@ -10,7 +10,9 @@ from distsparse.config import TopologyConfig
 from distsparse.models import PROJECTIONS
 from distsparse.nm import NMMeta
 from distsparse.optim.engine import RefreshFn
-from distsparse.topology import RefreshResult, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for
+from distsparse.topology import (
+    RefreshResult, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for,
+)
 
 STAT_KEYS = ("groups_selected", "groups_changed", "mpr_exclusions", "links_changed")
 
