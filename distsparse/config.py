@@ -82,13 +82,14 @@ def build_settings(cls: type, data: dict, key: str, **fixed: Any) -> Any:
 
 
 def check_backbone_shapes(model: "ModelConfig", method: "MethodConfig") -> None:
-    """The N:M shape rule (DESIGN decision 9) for every backbone matrix of the model: [ffn, hidden] and
-    [hidden, ffn] with the FFN width rounded to model.ffn_multiple_of (q, k, v, o are [hidden, hidden])."""
+    """The N:M shape rule (DESIGN decision 9) for every backbone matrix of the model. The matrices are [hidden,
+    hidden], [ffn, hidden] and [hidden, ffn] (FFN width rounded to model.ffn_multiple_of), so each width is the
+    reduction width of some matrix: row-wise and block-wise alike need both to be multiples of M."""
     spec = method.spec
     if spec is None:
         return
-    spec.check_shape(model.ffn_width, model.hidden_size, name="model.hidden_size")
-    spec.check_shape(model.hidden_size, model.ffn_width, name="model.intermediate_size (rounded)")
+    spec.check_shape(model.hidden_size, model.hidden_size, name="model.hidden_size")
+    spec.check_shape(model.ffn_width, model.ffn_width, name="model.intermediate_size (rounded to ffn_multiple_of)")
 
 
 @dataclass(kw_only=True)

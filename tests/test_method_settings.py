@@ -4,7 +4,7 @@ key, the value and what is allowed. The Table A6 / A7 / A8 presets carry exactly
 
 import pytest
 
-from distsparse.config import CONFIG_ROOT, load_config
+from distsparse.config import CONFIG_ROOT, check_backbone_shapes, load_config
 from distsparse.layers.dense_latent import LatentParams
 from distsparse.optim.hparams import TansHParams
 from distsparse.topology import RefreshParams
@@ -71,3 +71,18 @@ def test_table_a8_presets_hold_their_reset_mode_and_ramp(mode, ramp):
     assert cfg.method.reset_mode == mode and changed.method.reset_mode == "changed"
     assert cfg.method.rule_params == changed.method.rule_params == TansHParams(lr=1e-3, ramp_steps=ramp)
     assert cfg.method.topology == changed.method.topology
+
+
+def test_backbone_shapes_are_checked_for_every_projection_of_the_model():
+    def check(*overrides):
+        cfg = load_config(None, ["model.preset=tiny", *overrides])
+        check_backbone_shapes(cfg.model, cfg.method)
+
+    check("method.preset=chts24_1of4_block")   # 64 x 176: both widths multiples of 4
+    check("method.preset=dense_adamw", "model.hidden_size=66", "model.num_attention_heads=3")   # dense: no rule
+    with pytest.raises(ValueError, match=r"model\.hidden_size: in_features=66 is not divisible by 4"):
+        check("method.preset=chts24_1of4_row", "model.hidden_size=66", "model.num_attention_heads=3")
+    for layout in ("row", "block"):
+        with pytest.raises(ValueError, match=r"model\.intermediate_size \(rounded to ffn_multiple_of\): "
+                                             r"in_features=174 is not divisible by 4"):
+            check(f"method.preset=chts24_1of4_{layout}", "model.intermediate_size=174", "model.ffn_multiple_of=2")

@@ -38,6 +38,7 @@ from distsparse.train.schedule import lr_factor
 from distsparse.train.topology_policy import TopologyPolicy
 
 log = logging.getLogger("distsparse")
+EVERY_STEP = ("loss", "lr", "optim", "time", "memory")   # metric groups of every step; any other is logged when seen
 
 
 @dataclass
@@ -220,7 +221,7 @@ class Trainer:
                 val_loss, val_ppl = self.evaluate()
                 method_metrics = self.hooks.metrics()
                 metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl, **method_metrics})
-            periodic = any(k.startswith(("loss/val", "topology/", "permutation/")) for k in metrics)
+            periodic = "loss/val" in metrics or any(k.split("/", 1)[0] not in EVERY_STEP for k in metrics)
             if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or periodic:
                 self.writer.log(metrics, self.step)
                 if self.rank == 0:
