@@ -187,8 +187,8 @@ def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_
                          [("fp32", "1.0", None), ("fp32", "0.0", None), ("bf16", "1.0", False), ("bf16", "0.0", False)])
 def test_a_backbone_only_nan_skips_both_sides_with_every_weight_bit_identical(ranks2, data_dir, tmp_path, dtype,
                                                                               grad_clip, bf16_overflow_check):
-    for r in ranks2.run(_backbone_nan, data_dir, str(tmp_path), [f"train.dtype={dtype}", f"train.grad_clip={grad_clip}"],
-                        bf16_overflow_check):
+    overrides = [f"train.dtype={dtype}", f"train.grad_clip={grad_clip}"]
+    for r in ranks2.run(_backbone_nan, data_dir, str(tmp_path), overrides, bf16_overflow_check):
         assert r["changed_by_skip"] == [], f"the skipped step changed {r['changed_by_skip'][:5]}"
         assert r["skipped_metric"] == 1.0
         assert r["finite_after"], "the next step must start from clean buffers"

@@ -78,6 +78,6 @@ def test_aux_loss_and_permutation_penalty_are_summed_into_the_extra_loss():
     x = torch.randint(0, 64, (2, 8))
     model(input_ids=x, labels=x)
     aux, penalty = mean_aux_loss(model), policy.penalty(3)
-    assert aux is not None and penalty is not None and float(penalty) > 0
+    assert aux is not None and penalty is not None and float(penalty.detach()) > 0
     torch.testing.assert_close(hooks.extra_loss(3), aux + penalty, rtol=1e-6, atol=0)
     assert hooks.after_step(10)["permutation/qkv/fraction_hardened"] == 1.0, "every block hard at T_perm"

@@ -12,7 +12,8 @@ from distsparse.topology import RefreshParams
 
 @pytest.mark.parametrize("override,message", [
     ("method.rule_args={beta1: 1.5}", r"method\.rule_args\.beta1: got 1\.5; allowed: 0 <= beta1 < 1"),
-    ("method.rule_args={ramp_step: 4}", r"method\.rule_args: got unknown key 'ramp_step'; allowed: beta1, .*ramp_steps"),
+    ("method.rule_args={ramp_step: 4}",
+     r"method\.rule_args: got unknown key 'ramp_step'; allowed: beta1, .*ramp_steps"),
     ("method.rule_args={ramp_steps: four}", r"method\.rule_args\.ramp_steps: got 'four' \(str\); allowed: .*int"),
     ("method.rule_args={lr: 0.1}", r"method\.rule_args: got key 'lr', which comes from .*method\.lr"),
     ("method.topology.args={mpr_rho: 2}", r"method\.topology\.args\.mpr_rho: got 2\.0; allowed: null .* 0 <= rho <= 1"),
@@ -43,7 +44,8 @@ def test_reset_modes_other_than_changed_need_refreshes_of_a_sparse_backbone():
 
 def test_typed_settings_carry_the_config_values():
     cfg = load_config(None, ["method.preset=chtsnm_nobranch_1of4_row", "method.lr=0.002",
-                             "method.rule_args={gamma_ns: 0.75, rms_mode: none}", "method.topology.args={mpr_rho: null}"])
+                             "method.rule_args={gamma_ns: 0.75, rms_mode: none}",
+                             "method.topology.args={mpr_rho: null}"])
     assert cfg.method.rule_params == TansHParams(lr=0.002, gamma_ns=0.75, rms_mode="none")
     assert cfg.method.topology.params == RefreshParams(mpr_rho=None)
 

@@ -15,8 +15,8 @@ The bytes on the wire equal one all-reduce of the compressed gradients; Newton-S
 optimizer state is split 1/W. The joint step (distsparse/train/joint_step.py) drives these phases together with
 DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
 the collectives of the backbone and the per-matrix state. `mode="replicated"` all-reduces the buffer and lets every
-rank update every matrix: the same code with every matrix owned locally, kept as the test oracle. With one process every
-collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
+rank update every matrix: the same code with every matrix owned locally, kept as the test oracle. With one process
+every collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
 
 Devices (DESIGN decision 17): masters, rule state, gradient buckets and refresh work live on `device`, the one
 DeepSpeed put the model on; every tensor handed to a collective lives on `ddist.comm_device(group)` (the CUDA
