@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,15 @@ from typing import Any
 
 import yaml
 
+from distsparse.layers.dense_latent import LatentParams
 from distsparse.nm import NMSpec
+from distsparse.optim.matrix_state import RESET_MODES
+from distsparse.optim.rules import RULES as RULE_REGISTRY
+from distsparse.topology import RefreshParams
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
 BACKBONE_MODES = ("sparse", "dense", "ste", "srste", "cast")
-RULES = ("adam", "adamw", "muon", "tans", "adams")
+RULES = tuple(RULE_REGISTRY)
 DTYPES = ("fp32", "bf16", "auto")
 BRANCH_KINDS = ("none", "add", "add_align", "prod_gate", "como")
 PERMUTATION_MODES = ("none", "identity", "random", "learned")
@@ -39,6 +44,53 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{key}: got {value!r}; allowed: a number {'>= 0' if allow_zero else '> 0'}")
+
+
+def build_settings(cls: type, data: dict, key: str, **fixed: Any) -> Any:
+    """A typed settings dataclass (rule hyperparameters, refresh parameters, latent options) from the mapping under
+    config key `key`: an unknown key, a wrong type or a bad value fails naming `key.field`, the value and what is
+    allowed. `fixed` fields come from elsewhere in the config and may not be given in `data`."""
+    allowed = [f.name for f in dataclasses.fields(cls) if f.name not in fixed]
+    if not isinstance(data, dict):
+        raise ValueError(f"{key}: got {data!r}; allowed: a mapping with keys {', '.join(allowed)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = dict(fixed)
+    for name, value in data.items():
+        if name in fixed:
+            raise ValueError(f"{key}: got key {name!r}, which comes from elsewhere in the config (method.{name}); "
+                             f"allowed: {', '.join(allowed)}")
+        if name not in allowed:
+            raise ValueError(f"{key}: got unknown key {name!r}; allowed: {', '.join(allowed)}")
+        tp = hints[name]
+        optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+        if optional and value is None:
+            kwargs[name] = None
+            continue
+        tp = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+        if tp is float and isinstance(value, str):
+            try:
+                value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string
+            except ValueError:
+                pass
+        if not _type_ok(value, tp):
+            raise ValueError(f"{key}.{name}: got {value!r} ({type(value).__name__}); allowed: "
+                             f"a value of type {tp.__name__}{' or null' if optional else ''}")
+        kwargs[name] = float(value) if tp is float else value
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise ValueError(f"{key}.{err}") from None
+
+
+def check_backbone_shapes(model: "ModelConfig", method: "MethodConfig") -> None:
+    """The N:M shape rule (DESIGN decision 9) for every backbone matrix of the model. The matrices are [hidden,
+    hidden], [ffn, hidden] and [hidden, ffn] (FFN width rounded to model.ffn_multiple_of), so each width is the
+    reduction width of some matrix: row-wise and block-wise alike need both to be multiples of M."""
+    spec = method.spec
+    if spec is None:
+        return
+    spec.check_shape(model.hidden_size, model.hidden_size, name="model.hidden_size")
+    spec.check_shape(model.ffn_width, model.ffn_width, name="model.intermediate_size (rounded to ffn_multiple_of)")
 
 
 @dataclass(kw_only=True)
@@ -88,6 +140,12 @@ class TopologyConfig:
         _positive("method.topology.update_interval", self.update_interval)
         if not 0 < self.t_end_fraction <= 1:
             raise ValueError(f"method.topology.t_end_fraction: got {self.t_end_fraction}; allowed: (0, 1]")
+        self.params  # checks args
+
+    @property
+    def params(self) -> RefreshParams:
+        """`args` as typed refresh parameters."""
+        return build_settings(RefreshParams, self.args, "method.topology.args")
 
 
 @dataclass(kw_only=True)
@@ -136,8 +194,9 @@ class MethodConfig:
     init: str = "swi"                  # swi | hf
     rule: str = "adam"                 # backbone update rule, run by the matrix engine
     lr: float = 1e-3                   # backbone peak learning rate (the dense side uses train.lr)
-    rule_args: dict = field(default_factory=dict)   # HParams fields of the rule (distsparse.optim)
-    latent_args: dict = field(default_factory=dict)  # DenseLatentLinear options (ste/srste/cast baselines)
+    rule_args: dict = field(default_factory=dict)   # HParams fields of the rule (distsparse.optim), but lr
+    latent_args: dict = field(default_factory=dict)  # LatentParams fields (srste/cast baselines)
+    reset_mode: str = "changed"        # rule state of refreshed links: changed | all | none (paper Table A8)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     branch: BranchConfig = field(default_factory=BranchConfig)
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
@@ -146,7 +205,14 @@ class MethodConfig:
         _choice("method.backbone", self.backbone, BACKBONE_MODES)
         _choice("method.rule", self.rule, RULES)
         _choice("method.init", self.init, ("swi", "hf"))
+        _choice("method.reset_mode", self.reset_mode, RESET_MODES)
         _positive("method.lr", self.lr)
+        self.rule_params  # checks rule_args against the rule's hyperparameters
+        self.latent_params  # checks latent_args and that each applies to the backbone
+        if self.reset_mode != "changed" and not (self.topology.enabled and self.backbone == "sparse"):
+            raise ValueError(f"method.reset_mode: got {self.reset_mode!r} with method.backbone {self.backbone!r} and "
+                             f"method.topology.enabled {self.topology.enabled}; allowed: 'changed' (the default), "
+                             f"or another mode only with refreshes of a sparse backbone (it acts on refreshes)")
         if self.sparsity == "none":
             if self.backbone != "dense":
                 raise ValueError(f"method.sparsity: got 'none' with method.backbone {self.backbone!r}; "
@@ -159,6 +225,22 @@ class MethodConfig:
             if self.backbone == "dense":
                 raise ValueError(f"method.backbone: got 'dense' with method.sparsity {self.sparsity!r}; "
                                  f"allowed: 'dense' only with sparsity 'none'")
+
+    @property
+    def rule_params(self) -> Any:
+        """The backbone rule's hyperparameters (distsparse.optim.hparams), lr = method.lr."""
+        return build_settings(RULE_REGISTRY[self.rule].hparams, self.rule_args, "method.rule_args", lr=self.lr)
+
+    @property
+    def latent_params(self) -> LatentParams:
+        """Options of the dense-latent baselines; a key that does not apply to method.backbone is refused."""
+        params = build_settings(LatentParams, self.latent_args, "method.latent_args")
+        for name in self.latent_args:
+            modes = LatentParams.MODES_OF[name]
+            if self.backbone not in modes:
+                raise ValueError(f"method.latent_args.{name}: got {self.latent_args[name]!r} with method.backbone "
+                                 f"{self.backbone!r}; allowed: only with backbone {', '.join(modes)}")
+        return params
 
     @property
     def spec(self) -> NMSpec | None:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import hashlib
 
 
-def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (ints, names), identical across processes and Python versions
-    (Python's hash() is salted per process)."""
-    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+def hash_seed(text: str) -> int:
+    """The one derivation of a seed from a string: the first 8 bytes of its sha256, as a 63-bit integer, identical
+    across processes, ranks and Python versions (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts (ints, names): the parts joined by "|"."""
+    return hash_seed("|".join(map(str, parts)))

@@ -84,7 +84,7 @@ def test_byte_ratios_equal_the_ring_count_of_the_padded_shards(payload):
     sent = ((W - 1) * shard * 4                                 # fp32 gradient reduce-scatter
             + (W - 1) * shard * 2                               # bf16 value all-gather
             + (W - 1) * codes_shard / UPDATE_INTERVAL           # uint8 codes after a refresh, amortized
-            + 2 * (W - 1) / W * (8 + 4))                        # joint-norm (fp64) and finiteness (fp32) scalars
+            + 2 * (W - 1) / W * 4 * 8)                          # the joint step's 4 float64 scalars, one all-reduce
     ring = 2 * (W - 1) / W * dense
     assert payload["backbone_comm_bytes_over_dense_allreduce_bf16"] == pytest.approx(sent / (ring * 2), rel=1e-12)
     assert payload["backbone_comm_bytes_over_dense_allreduce_fp32"] == pytest.approx(sent / (ring * 4), rel=1e-12)

@@ -35,11 +35,10 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, sign
         # Deliver a real signal to one rank after `stop_after` steps, through the trainer's own handler.
         original = trainer.train_step
 
-        def step_then_signal(batches):
-            out = original(batches)
+        def step_then_signal(batches):   # the signal arrives during step `stop_after`, before its boundary
             if trainer.step + 1 == stop_after and rank == signal_rank:
                 os.kill(os.getpid(), signal.SIGUSR1)
-            return out
+            return original(batches)
         trainer.train_step = step_then_signal
     result = trainer.train()
     values = {n: backbone_param(m).detach().clone() for n, m in trainer.backbone.items()}

@@ -1,13 +1,16 @@
-"""The matrix engine: owner maps, sharded == replicated, joint-norm pieces, state moves on refresh."""
+"""The matrix engine: owner maps, sharded == replicated, state moves on refresh (reset modes of paper Table A8)."""
 
 import torch
 
+import pytest
+
 from distsparse.config import TopologyConfig, load_config
-from distsparse.models import build_model, projection_names
-from distsparse.nm import NMMeta, decode, encode, kept_index, random_mask, scatter_kept, slot_map
-from distsparse.optim.engine import MatrixEngine, RefreshOutcome
+from distsparse.models import backbone_param, build_model, projection_names
+from distsparse.nm import NMMeta, decode, encode, kept_index, move_slots, random_mask, scatter_kept, slot_map
+from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.owners import assign_owners, rank_loads
 from distsparse.optim.rules import get_rule
+from distsparse.topology import RefreshResult
 from distsparse.train.topology_policy import TopologyPolicy
 
 
@@ -18,16 +21,17 @@ def _tiny(method: str, layers: int = 2):
         p.requires_grad_(False)
     backbone = {n: model.get_submodule(n) for n in projection_names(model)}
     for m in backbone.values():
-        (m.values if hasattr(m, "values") else m.weight).requires_grad_(True)
+        backbone_param(m).requires_grad_(True)
     return cfg, model, backbone
 
 
-def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, num_buckets=1, gather_chunk=1 << 24):
+def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, num_buckets=1, gather_chunk=1 << 24,
+           reset_mode="changed"):
     torch.manual_seed(0)
     cfg, model, backbone = _tiny(method, layers)
     hp = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr)
     engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode, num_buckets=num_buckets,
-                          gather_chunk=gather_chunk)
+                          gather_chunk=gather_chunk, reset_mode=reset_mode)
     topology = TopologyPolicy(TopologyConfig(enabled=bool(refresh_every), update_interval=max(1, refresh_every)),
                               total_steps=steps, seed=7)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -35,11 +39,11 @@ def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, num
         x = torch.randint(0, 97, (2, 12), generator=gen)
         engine.start_boundary()
         model(input_ids=x, labels=x).loss.backward()
-        assert all((m.values if hasattr(m, "values") else m.weight).grad is None for m in backbone.values())
+        assert all(backbone_param(m).grad is None for m in backbone.values())
         engine.reduce_gradients()
         engine.step(cfg.method.lr, refresh=topology.refresh_fn(step) if topology.due(step) else None)
         engine.zero_grad()
-    values = {n: (m.values if hasattr(m, "values") else m.weight).detach().clone() for n, m in backbone.items()}
+    values = {n: backbone_param(m).detach().clone() for n, m in backbone.items()}
     codes = {n: m.codes.clone() for n, m in backbone.items() if hasattr(m, "codes")}
     return values, engine.owners, engine.state_bytes(), codes
 
@@ -48,12 +52,14 @@ def _run_modes(rank, world_size, method):
     return (_train(rank, world_size, method, "sharded", 20, 1, refresh_every=5),
             _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5),
             _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, num_buckets=3,
-                   gather_chunk=4000))
+                   gather_chunk=4000),
+            _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, reset_mode="none"),
+            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5, reset_mode="none"))
 
 
 def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
     for method in ("chtsnm_nobranch_1of4_row",):
-        (s0, r0, b0), (s1, r1, b1) = ranks2.run(_run_modes, method)
+        (s0, r0, b0, n0, nr0), (s1, r1, b1, n1, _) = ranks2.run(_run_modes, method)
         assert s0[1] == s1[1], "owner maps differ between ranks"
         assert set(s0[1].values()) == {0, 1}
         for name in s0[0]:
@@ -66,6 +72,12 @@ def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
         for name in s0[3]:
             assert torch.equal(s0[3][name], s1[3][name]) and torch.equal(s0[3][name], r0[3][name]), name
         assert s0[2] < r0[2], "sharded state must be smaller than replicated"
+        # Reset mode none: owners keep the dense shadows of their matrices; the result is the replicated one.
+        for name in n0[0]:
+            assert torch.equal(n0[0][name], n1[0][name]), f"{name}: ranks disagree (reset none)"
+            torch.testing.assert_close(n0[0][name], nr0[0][name], rtol=0, atol=1e-6)
+            assert torch.equal(n0[3][name], nr0[3][name]), name
+        assert any(not torch.equal(n0[0][name], s0[0][name]) for name in n0[0]), "reset none changed nothing"
 
 
 def test_one_rank_trains_without_collectives():
@@ -103,8 +115,8 @@ def test_refresh_moves_master_and_state_with_links():
 
     def refresh(n, master, meta):
         if n != name:
-            return RefreshOutcome(meta, slot_map(meta, meta), master.clone(), {})
-        return RefreshOutcome(new, slots, moved.view_as(master), {})
+            return RefreshResult(meta, slot_map(meta, meta), master.clone(), {})
+        return RefreshResult(new, slots, moved.view_as(master), {})
 
     engine._refresh(refresh)
     assert torch.equal(layer.codes, new.codes)
@@ -116,3 +128,71 @@ def test_refresh_moves_master_and_state_with_links():
         assert torch.equal(d_old[both], d_new[both]), key
         assert (d_new[decode(new) & ~decode(old)] == 0).all(), key
     assert int(engine.states[name]["tau"]) == 0
+
+
+def _random_refresh(step: int):
+    """A refresh to a random legal pattern per matrix (seeded by step and name): many links leave and come back."""
+    def refresh(name, master, meta):
+        gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+        new = encode(random_mask(*meta.shape, meta.spec, gen), meta.spec)
+        slots = slot_map(meta, new)
+        return RefreshResult(new, slots, move_slots(master, slots), {})
+    return refresh
+
+
+@pytest.mark.parametrize("method", ["chtsnm_nobranch_1of4_row", "chtsnm_nobranch_2of4_block"])
+def test_reset_none_gives_every_regrown_link_the_state_it_had_when_it_last_left(method):
+    """Brute force in the dense frame: after each refresh a kept link holds its state, a link that was active
+    before holds what it held when it last left, a link never active holds zero (paper App. I.3)."""
+    cfg, model, backbone = _tiny(method, layers=1)
+    engine = MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(lr=1e-2), reset_mode="none")
+    left = {n: {k: torch.zeros(m.out_features, m.in_features) for k in ("V", "P")} for n, m in backbone.items()}
+    ever = {n: torch.zeros(m.out_features, m.in_features, dtype=torch.bool) for n, m in backbone.items()}
+    gen = torch.Generator().manual_seed(4)
+    returned = 0
+    for step in range(1, 9):
+        x = torch.randint(0, 97, (2, 12), generator=gen)
+        model(input_ids=x, labels=x).loss.backward()
+        before, random_refresh = {}, _random_refresh(step)
+
+        def refresh(name, master, meta):   # called after the rule step, before the state moves: record it
+            before[name] = (decode(meta), {k: scatter_kept(engine.states[name][k], kept_index(meta), meta.shape)
+                                           for k in ("V", "P")})
+            return random_refresh(name, master, meta)
+
+        engine.step(1e-2, refresh=refresh if step % 2 == 0 else None)
+        engine.zero_grad()
+        for name, (old_mask, old_dense) in before.items():
+            m = backbone[name]
+            new_mask = decode(m.meta)
+            back = new_mask & ~old_mask & ever[name]
+            returned += int(back.sum())
+            for key in ("V", "P"):
+                after = scatter_kept(engine.states[name][key], kept_index(m.meta), m.meta.shape)
+                want = torch.where(old_mask & new_mask, old_dense[key], torch.where(back, left[name][key], 0.0))
+                assert torch.equal(after, want * new_mask), (name, step, key)
+                gone = old_mask & ~new_mask
+                left[name][key][gone] = old_dense[key][gone]
+            ever[name] |= old_mask & ~new_mask
+    assert returned > 0, "test setup: links must come back"
+
+
+def test_reset_none_shadows_travel_with_the_state_dict():
+    _, model, backbone = _tiny("chtsnm_nobranch_1of4_row", layers=1)
+    hp = get_rule("tans").hparams(lr=1e-2)
+    engine = MatrixEngine(backbone, rule="tans", hparams=hp, reset_mode="none")
+    x = torch.randint(0, 97, (2, 12))
+    for step in (1, 2):
+        model(input_ids=x, labels=x).loss.backward()
+        engine.step(1e-2, refresh=_random_refresh(step))
+        engine.zero_grad()
+    saved = engine.state_dict()
+    fresh = MatrixEngine(backbone, rule="tans", hparams=hp, reset_mode="none")
+    fresh.load_state_dict(saved)
+    for name, shadow in engine.shadows.items():
+        assert shadow["V"].count_nonzero() > 0
+        assert all(torch.equal(t, fresh.shadows[name][k]) for k, t in shadow.items()), name
+    name = sorted(saved)[0]
+    saved[name] = {k: v for k, v in saved[name].items() if not k.startswith("shadow.")}
+    with pytest.raises(KeyError, match="reset mode 'none' needs its shadow"):
+        fresh.load_state_dict(saved)

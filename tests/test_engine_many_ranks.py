@@ -16,8 +16,9 @@ from torch import nn
 
 from distsparse.layers import NMSparseLinear
 from distsparse.nm import NMMeta, NMSpec, encode, move_slots, random_mask, slot_map
-from distsparse.optim.engine import MatrixEngine, RefreshOutcome
+from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule, init_state
+from distsparse.topology import RefreshResult
 
 HIDDEN, FFN = 64, 176
 SHAPES = {   # name -> (in, out), the 7 projections of one decoder layer of the tiny model
@@ -169,11 +170,11 @@ def _count_sent_bytes(world_size: int, log: list):
     return originals
 
 
-def _new_pattern(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshOutcome:
+def _new_pattern(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshResult:
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     new = encode(random_mask(*meta.shape, meta.spec, gen), meta.spec)
     slots = slot_map(meta, new)
-    return RefreshOutcome(new, slots, move_slots(master, slots), {})
+    return RefreshResult(new, slots, move_slots(master, slots), {})
 
 
 def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype):
@@ -188,10 +189,8 @@ def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype):
         model(batch(0, rank).to(dtype)).backward()
         log = []
         originals = _count_sent_bytes(size, log)
-        try:   # one optimizer step as the trainer takes it: reduce, joint-norm pieces, update and gather
+        try:   # the engine's part of a step: reduce, update and gather (the step's scalars are the joint step's)
             engine.reduce_gradients()
-            engine.grad_sq_norm()
-            engine.grads_finite()
             engine.step(1e-3, refresh=refresh)
         finally:
             for name, fn in originals.items():
@@ -210,7 +209,7 @@ def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype):
 def test_reported_bytes_per_step_equal_the_bytes_the_collectives_send(ranks8, mode, reduce_dtype, dtype):
     results = ranks8.run(_measured_bytes, 4, mode, reduce_dtype, dtype)[:4]
     for r, ((plain, refreshed), no_refresh, every_step, codes) in enumerate(results):
-        for kind in ("reduce", "scalars", "values", "codes"):
+        for kind in ("reduce", "values", "codes"):
             assert no_refresh[kind] == pytest.approx(plain.get(kind, 0.0), rel=1e-12), (r, kind)
             assert every_step[kind] == pytest.approx(refreshed.get(kind, 0.0), rel=1e-12), (r, kind)
         assert no_refresh["total"] == pytest.approx(sum(plain.values()), rel=1e-12)

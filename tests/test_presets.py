@@ -8,8 +8,6 @@ import torch
 
 from distsparse.config import CONFIG_ROOT, load_config, read_yaml
 from distsparse.models import backbone_modules, build_model
-from distsparse.optim.rules import get_rule
-from distsparse.train.topology_policy import build_refresh_params
 
 PRESETS = sorted(p.stem for p in (CONFIG_ROOT / "method").glob("*.yaml"))
 # A paper appendix, table or section (App. H.4, Table A6, s4.3).
@@ -40,8 +38,7 @@ def test_every_method_preset_builds_a_tiny_model(preset):
               if line.startswith("#")]
     assert any("lr" in line for line in header), "a preset states its learning rate and its source"
     assert PAPER_SOURCE.search("\n".join(header)), "a preset names the paper section or table it reproduces"
-    get_rule(cfg.method.rule).hparams(lr=cfg.method.lr, **cfg.method.rule_args)
-    build_refresh_params(cfg.method.topology)
+    cfg.method.rule_params, cfg.method.topology.params, cfg.method.latent_params   # typed settings build
     model = build_model(cfg.model, cfg.method, 64, seed=0)
     assert len(backbone_modules(model)) == 7 * cfg.model.num_hidden_layers
     x = torch.randint(0, 64, (1, 8))
@@ -55,7 +52,7 @@ def test_every_topology_preset_sets_the_papers_mpr_explicitly(preset):
     if not topology.enabled:
         assert "mpr_rho" not in topology.args, "MPR without topology refreshes"
         return
-    rho = build_refresh_params(topology).mpr_rho       # what the trainer's refreshes use
+    rho = topology.params.mpr_rho                      # what the trainer's refreshes use
     assert rho is not None, "stated in the preset, not left to the layout default"
     assert rho == paper_mpr_rho(preset, cfg.method.spec.n, cfg.method.spec.layout)
 

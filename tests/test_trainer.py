@@ -63,8 +63,11 @@ def test_two_ranks_train_both_sides_and_keep_backbones_identical(ranks2, data_di
         torch.tensor(r0["result"].val_loss).exp().item(), rel=1e-6)
 
 
-def test_gradient_accumulation_1x4_equals_4x1(ranks2, data_dir, tmp_path):
-    method = ["method.preset=chts24_1of4_row", "train.grad_clip=0"]
+# SR-STE with a large lambda_w: its decay must come once per step however many micro-batches make the step.
+@pytest.mark.parametrize("method", [["method.preset=chts24_1of4_row"],
+                                    ["method.preset=srste_1of4_row", "method.latent_args={lambda_w: 0.01}"]])
+def test_gradient_accumulation_1x4_equals_4x1(ranks2, data_dir, tmp_path, method):
+    method = method + ["train.grad_clip=0"]
     a = ranks2.run(_run, data_dir, str(tmp_path / "a"), method + ["train.micro_batch=4", "train.grad_accum=1"], 2)
     b = ranks2.run(_run, data_dir, str(tmp_path / "b"), method + ["train.micro_batch=1", "train.grad_accum=4"], 2)
     for part in (0, 1):

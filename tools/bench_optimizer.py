@@ -17,13 +17,15 @@ No forward or backward is timed. Gradients are synthetic: a zero-cost autograd n
 parameter a fixed random gradient, so DeepSpeed's own hooks reduce it exactly as after a real backward (in ZeRO-2
 the reduce, and DeepSpeed Muon's Newton-Schulz, run in `engine.backward`'s epilogue, not in `engine.step`), and
 the matrix engine's flat buffer is filled with random values, as its post-accumulate hooks would leave it.
-A sparse step is the trainer's boundary sequence: DeepSpeed reduce, engine reduce, joint norm (both halves),
-engine.step, finiteness check, engine step. Ratios are medians of per-round ratios of paired, interleaved rounds
+A sparse step is the trainer's own joint step (distsparse/train/joint_step.py: JointOptimizer.backward on the
+injected gradients, then JointOptimizer.step: engine reduce, the step's one scalar all-reduce, DeepSpeed's step with
+the joint norm, engine step). Ratios are medians of per-round ratios of paired, interleaved rounds
 (tools/benchlib.py); the full-step ratio tans_sharded / deepspeed_muon compares what a run pays per step, the
 backbone ratio sharded / replicated compares the two engine modes.
 
-Bytes (per rank per optimizer step, `MatrixEngine.comm_bytes_per_step`: ring algorithms, padding included, code
-all-gathers amortized over the method's update_interval) are those of bf16 training (fp32 reduce-scatter, bf16
+Bytes (per rank per optimizer step, `MatrixEngine.comm_bytes_per_step` plus the joint step's scalar all-reduce,
+`JointOptimizer.scalar_bytes_per_step`: ring algorithms, padding included, code all-gathers amortized over the
+method's update_interval) are those of bf16 training (fp32 reduce-scatter, bf16
 value all-gather, the engine's defaults on GPU), over the bytes a ring all-reduce of the same matrices' dense
 gradients sends in bf16 and in fp32: 2 (W-1)/W x numel x bytes. State bytes are the TANS engine's optimizer state
 (fp32 masters, V, P and counters: `MatrixEngine.state_bytes()` minus its fp32 gradient buffer) at W = 1 (a one-rank
@@ -41,7 +43,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import resource
 import socket
@@ -145,17 +146,13 @@ def _backbone_step(matrix, buffer: torch.Tensor, lr: float) -> Callable[[], None
     return run
 
 
-def _sparse_step(engine, params, grads, matrix, buffer: torch.Tensor, lr: float, max_norm: float
-                 ) -> Callable[[], None]:
-    """The trainer's accumulation boundary (distsparse/train/trainer.py) on synthetic gradients."""
+def _sparse_step(joint, params, grads, buffer: torch.Tensor) -> Callable[[], None]:
+    """The trainer's joint step (JointOptimizer) on synthetic gradients."""
     def run() -> None:
-        matrix.grad_buffer.copy_(buffer)
-        engine.backward(_InjectGrads.apply(grads, *params))
-        matrix.reduce_gradients()
-        total = math.sqrt(float(engine.optimizer.scaled_global_norm()) ** 2 + float(matrix.grad_sq_norm()))
-        engine.step()
-        if matrix.grads_finite():
-            matrix.step(lr, min(1.0, max_norm / (total + 1e-6)))
+        joint.matrix.grad_buffer.copy_(buffer)
+        joint.begin(0)
+        joint.backward(_InjectGrads.apply(grads, *params), last=True)
+        joint.step()
     return run
 
 
@@ -213,25 +210,28 @@ class _Rank:
     def build_sparse(self) -> None:
         import deepspeed
 
-        from distsparse.models import backbone_modules, backbone_param, build_model
+        from distsparse.models import backbone_modules, build_model
         from distsparse.optim.engine import MatrixEngine
         from distsparse.train.ds_config import build_ds_config
+        from distsparse.train.trainer import dense_side_parameters
         if self.sparse is not None:
             return
         self.sparse = build_model(self.cfg_sparse.model, self.cfg_sparse.method, self.args.vocab, seed=0)
         self.backbone = backbone_modules(self.sparse)
-        excluded = {id(backbone_param(m)) for m in self.backbone.values()}
-        self.side_params = [p for p in self.sparse.parameters() if id(p) not in excluded and p.requires_grad]
+        groups = dense_side_parameters(self.sparse, self.backbone)
+        self.side_params = [p for group in groups for p in group["params"]]
         self.side_engine, _, _, _ = deepspeed.initialize(
-            model=self.sparse, model_parameters=[{"params": self.side_params}],
+            model=self.sparse, model_parameters=groups,
             config=build_ds_config(ROOT / "configs/ds/zero2.json", self.cfg_sparse))
         self.side_grads = _synthetic_grads(self.side_params, 20 + self.rank)
         self.tans_sharded = MatrixEngine(self.backbone, rule="tans", hparams=self.tans_hp, mode="sharded")
         self.buffer = _synthetic_grads([self.tans_sharded.grad_buffer], 30 + self.rank)[0]
 
     def full_step(self, matrix, lr: float) -> Callable[[], None]:
-        return _sparse_step(self.side_engine, self.side_params, self.side_grads, matrix, self.buffer, lr,
-                            self.cfg_sparse.train.grad_clip)
+        from distsparse.train.joint_step import JointOptimizer
+        joint = JointOptimizer(self.side_engine, matrix, grad_clip=self.cfg_sparse.train.grad_clip,
+                               backbone_lr=lambda step: lr)
+        return _sparse_step(joint, self.side_params, self.side_grads, self.buffer)
 
     # ---- phases ----------------------------------------------------------------------------------------------
 
@@ -256,6 +256,7 @@ class _Rank:
         from distsparse.models import backbone_param
         from distsparse.optim.engine import MatrixEngine
         from distsparse.optim.owners import assign_owners, rank_loads
+        from distsparse.train.joint_step import JointOptimizer
 
         self.build_sparse()
         backbone, sharded, hp = self.backbone, self.tans_sharded, self.tans_hp
@@ -279,6 +280,8 @@ class _Rank:
                             rule="tans", hparams=hp, mode="sharded")
         sent = bf16.comm_bytes_per_step(interval)
         del bf16
+        scalars = JointOptimizer.scalar_bytes_per_step(WORLD_SIZE)   # the step's one all-reduce
+        sent = {**sent, "scalars": scalars, "total": sent["total"] + scalars}
         dense_numel = sum(m.out_features * m.in_features for m in backbone.values())
         ring = 2 * (WORLD_SIZE - 1) / WORLD_SIZE
 
@@ -310,8 +313,7 @@ class _Rank:
             "backbone_comm_bytes_over_dense_allreduce_bf16": sent["total"] / (ring * dense_numel * 2),
             "backbone_comm_bytes_over_dense_allreduce_fp32": sent["total"] / (ring * dense_numel * 4),
             "backbone_state_bytes_per_rank": state,
-            "_extra": {"sent_bf16": sent, "sent_fp32_training": sharded.comm_bytes_per_step(interval),
-                       "dense_numel": dense_numel, "matrices": len(backbone), "balance": balance,
+            "_extra": {"sent_bf16": sent, "dense_numel": dense_numel, "matrices": len(backbone), "balance": balance,
                        "values": sum(backbone_param(m).numel() for m in backbone.values()),
                        "update_interval": interval, "shard_size": sharded.shard_size},
         }

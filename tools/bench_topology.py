@@ -45,9 +45,9 @@ from distsparse.config import Config, load_config
 from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.nm import decode
 from distsparse.optim.engine import MatrixEngine
-from distsparse.optim.rules import get_rule
 from distsparse.topology import RefreshParams, ch_scores
 from distsparse.train.topology_policy import TopologyPolicy
+from distsparse.train.trainer import build_matrix_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("row", "block")
@@ -104,19 +104,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_config(model: str, layout: str) -> Config:
+    # One gradient bucket: the benchmark fills the engine's flat gradient buffer directly.
     return load_config(None, [f"model.preset={model}", f"method.preset={PRESET.format(layout=layout)}",
-                              f"train.steps={TOTAL_STEPS}"])
+                              f"train.steps={TOTAL_STEPS}", "engine.num_buckets=1"])
 
 
 def build_engine(cfg: Config, seed: int) -> tuple[MatrixEngine, dict[str, torch.nn.Module]]:
-    """The backbone of `build_model` and its engine, built as the trainer's `build_matrix_engine` does
-    (fp32 masters from the fp32 model); W = 1 without a process group."""
+    """The backbone of `build_model` and its engine, built by the trainer's `build_matrix_engine` (fp32 masters from
+    the fp32 model); W = 1 without a process group."""
     backbone = backbone_modules(build_model(cfg.model, cfg.method, VOCAB, seed))
-    hparams = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr, **cfg.method.rule_args)
     initial = {name: backbone_param(m).detach().float().clone() for name, m in backbone.items()}
-    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
-                          reduce_dtype=cfg.engine.reduce_dtype, initial_values=initial)
-    return engine, backbone
+    return build_matrix_engine(cfg, backbone, None, initial=initial, device=torch.device("cpu")), backbone
 
 
 def time_refresh(engine: MatrixEngine, policy: TopologyPolicy, lr: float, warmup: int, repeats: int

@@ -8,13 +8,15 @@ forward, backward, optimizer and refresh, and tokens/s, for
 in one run: 2 ranks (spawned here; gloo with one OpenMP thread each on CPU, NCCL with one GPU each on GPUs),
 micro-batch 8 x 256 tokens per rank, vocab 32000 on a synthetic token stream (speed does not depend on the text).
 
-How it times. Each rank builds the real `Trainer` (distsparse/train/trainer.py) and wraps its pieces from the
-outside: `engine.forward`, `engine.backward`, `engine.step` (DeepSpeed's dense-side step), `matrix.reduce_gradients`
-and `matrix.step` (the backbone step, refresh included when one runs); `train_step` as a whole is the step.
+How it times. Each rank builds the real `Trainer` (distsparse/train/trainer.py), which steps through its
+`JointOptimizer` (distsparse/train/joint_step.py), and wraps the pieces that object calls from the outside:
+`engine.forward`, `engine.backward`, `engine.step` (DeepSpeed's dense-side step), `matrix.reduce_gradients` and
+`matrix.step` (the backbone step, refresh included when one runs); `train_step` as a whole is the step.
   forward    engine.forward (model + loss)
   backward   engine.backward (autograd, backbone gradient hooks, DeepSpeed's ZeRO-2 gradient reduction)
   optimizer  step - forward - backward - refresh: everything at the accumulation boundary (backbone reduce-scatter
-             wait, joint clip, DeepSpeed step, backbone rule step, value all-gather, loss all-reduce)
+             wait, the step's one scalar all-reduce, DeepSpeed step with the joint norm, backbone rule step, value
+             all-gather)
   refresh    the topology refresh (`matrix.last_refresh_seconds`: owners' refresh plus the code all-gather), timed
              on one forced refresh step at the midpoint of the refresh period (zeta_t = zeta0 / 2, its mean over
              [0, T_end]) and amortized over the method's update_interval (100)

@@ -20,12 +20,15 @@ group, so scaling never changes which entries a group keeps ("Weight Scaling ...
 patterns", CAST abstract): m(W * s) = m(W) while no scale is zero. Block-wise CAST is refused (App. H.3).
 
 SR-STE's term is added once per backward call: with k accumulated micro-batches whose losses are each divided by k,
-pass lambda_w / k to keep the paper's per-step decay.
+`set_micro_batches(k)` adds lambda_w / k per backward, so a step keeps the paper's per-step decay.
+
+`LatentParams` are the method options of these baselines (`method.latent_args`), checked when the config is built.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -39,6 +42,24 @@ CAST_BLOCK_REASON = (
     "CAST keeps a dense forward weight during training and becomes sparse only at export, so it cannot use the "
     "training acceleration that block-wise (transposable) masks exist for; the paper evaluates CAST row-wise only "
     "(CHTsNM paper App. H.3)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentParams:
+    """Options of the dense-latent baselines; each applies to the modes in `MODES_OF`."""
+    lambda_w: float = 1e-4              # srste: decay of the pruned entries (App. H.2)
+    mask_update_interval: int = 10      # cast: steps between mask recomputations (App. H.3)
+    num_scale_groups: int = 2           # cast: learned scales per output row (App. H.3, RECONSTRUCTION above)
+
+    MODES_OF = {"lambda_w": ("srste",), "mask_update_interval": ("cast",), "num_scale_groups": ("cast",)}
+
+    def __post_init__(self) -> None:
+        if not self.lambda_w >= 0:
+            raise ValueError(f"lambda_w: got {self.lambda_w!r}; allowed: a number >= 0")
+        if self.mask_update_interval < 1:
+            raise ValueError(f"mask_update_interval: got {self.mask_update_interval!r}; allowed: an integer >= 1")
+        if self.num_scale_groups < 1:
+            raise ValueError(f"num_scale_groups: got {self.num_scale_groups!r}; allowed: an integer >= 1")
 
 
 class MaskedSTE(torch.autograd.Function):
@@ -77,19 +98,17 @@ class DenseLatentLinear(nn.Module):
             if spec is None:
                 raise ValueError(f"sparsity: got none for mode {mode!r}; allowed: an N:4 spec")
             spec.check_shape(out_features, in_features)
+        LatentParams(lambda_w=lambda_w, mask_update_interval=mask_update_interval, num_scale_groups=num_scale_groups)
         if mode == "cast":
             if spec.layout == "block":
                 raise ValueError(f"sparsity layout: got 'block' for mode 'cast'; allowed: row. {CAST_BLOCK_REASON}")
-            if num_scale_groups < 1 or in_features % (4 * num_scale_groups):
+            if in_features % (4 * num_scale_groups):
                 raise ValueError(
                     f"num_scale_groups: got {num_scale_groups!r} for in_features={in_features}; allowed: a count "
                     f"G >= 1 with in_features divisible by 4 * G (each scale chunk holds whole groups of 4)")
-            if mask_update_interval < 1:
-                raise ValueError(f"mask_update_interval: got {mask_update_interval!r}; allowed: an integer >= 1")
-        if mode == "srste" and lambda_w < 0:
-            raise ValueError(f"lambda_w: got {lambda_w!r}; allowed: a number >= 0")
         self.in_features, self.out_features, self.spec, self.mode = in_features, out_features, spec, mode
         self.lambda_w = lambda_w if mode == "srste" else 0.0
+        self.micro_batches = 1
         self.mask_update_interval = mask_update_interval
         self.init, self.init_std, self.seed = init, init_std, seed
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -137,6 +156,12 @@ class DenseLatentLinear(nn.Module):
         """CAST: recompute the stored mask from the scaled weight."""
         self.codes.copy_(encode(self._projection_mask(self.scaled_weight()), self.spec).codes)
 
+    def set_micro_batches(self, count: int) -> None:
+        """SR-STE: backward calls per optimizer step; each adds lambda_w / count * W on the pruned entries."""
+        if count < 1:
+            raise ValueError(f"micro_batches: got {count!r}; allowed: an integer >= 1")
+        self.micro_batches = count
+
     def maybe_update_mask(self, step: int) -> bool:
         """CAST: refresh the mask when `step` is a multiple of `mask_update_interval`; True when it did.
         Other modes have no stored mask (ste/srste recompute it every forward) and return False."""
@@ -181,7 +206,7 @@ class DenseLatentLinear(nn.Module):
             return self.weight
         if self.mode == "cast":
             return self.scaled_weight() if self.training else self.export_weight()
-        return MaskedSTE.apply(self.weight, self._projection_mask(self.weight), self.lambda_w)
+        return MaskedSTE.apply(self.weight, self._projection_mask(self.weight), self.lambda_w / self.micro_batches)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.effective_weight(), self.bias)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from distsparse.config import MethodConfig, ModelConfig
+from distsparse.config import MethodConfig, ModelConfig, check_backbone_shapes
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.branches import build_branch, rank_for_budget
 from distsparse.layers.dense_latent import DenseLatentLinear
@@ -154,10 +154,7 @@ def _materialize(model: LlamaForCausalLM, seed: int) -> None:
 
 def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
     """The run's model in fp32 on CPU; the caller moves it and DeepSpeed casts it."""
-    if method.spec is not None:
-        ffn = model_cfg.ffn_width
-        method.spec.check_shape(ffn, model_cfg.hidden_size, name="model.hidden_size")
-        method.spec.check_shape(model_cfg.hidden_size, ffn, name="model.intermediate_size (rounded)")
+    check_backbone_shapes(model_cfg, method)
     config = llama_config(model_cfg, vocab_size)
     torch.manual_seed(seed)   # identical dense init on every rank (DeepSpeed broadcasts it anyway)
     if model_cfg.meta_device_init:

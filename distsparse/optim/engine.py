@@ -6,15 +6,17 @@ post-accumulate hooks into one shard-aligned fp32 flat buffer (`.grad` is set to
 sees nor zeroes them). On the accumulation boundary:
 
     grad buffer [W * S] fp32   --reduce_scatter-->  own shard [S] (mean over ranks)      phase 1: reduce
-    own shard                  --sum of squares-->  all_reduce scalar                   phase 2: norm
+    own shard                  --sum of squares-->  local scalar (the joint step sums)  phase 2: norm
     owners: rule(master, grad * clip) for each owned matrix (fp32 master and state)     phase 3: update
     owners: topology refresh of owned matrices, state follows its links                 phase 4: refresh
     codes [W * Sc] uint8 (after a refresh) and values [W * S] --all_gather--> every rank phase 5: gather
 
 The bytes on the wire equal one all-reduce of the compressed gradients; Newton-Schulz runs once per matrix and
-optimizer state is split 1/W. `mode="replicated"` all-reduces the buffer and lets every rank update every
-matrix: the same code with every matrix owned locally, kept as the test oracle. With one process every
-collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
+optimizer state is split 1/W. The joint step (distsparse/train/joint_step.py) drives these phases together with
+DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
+the collectives of the backbone and the per-matrix state. `mode="replicated"` all-reduces the buffer and lets every
+rank update every matrix: the same code with every matrix owned locally, kept as the test oracle. With one process
+every collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
 
 Devices (DESIGN decision 17): masters, rule state, gradient buckets and refresh work live on `device`, the one
 DeepSpeed put the model on; every tensor handed to a collective lives on `ddist.comm_device(group)` (the CUDA
@@ -33,10 +35,12 @@ import torch.nn as nn
 
 from distsparse import dist as ddist
 from distsparse.layers import NMSparseLinear
-from distsparse.nm import NMMeta
-from distsparse.optim.matrix_state import move_state
+from distsparse.models import backbone_param
+from distsparse.nm import NMMeta, kept_index
+from distsparse.optim.matrix_state import RESET_MODES, init_shadow, move_state, update_shadow
 from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule, init_state
+from distsparse.topology import RefreshResult
 
 ALIGN = 128   # shard length alignment (elements)
 GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
@@ -76,16 +80,9 @@ class Matrix:
         return self.module.codes.numel() if self.sparse else 0
 
 
-@dataclass
-class RefreshOutcome:
-    """What a topology policy returns for one matrix: the new metadata and the slot map."""
-    meta: NMMeta
-    slots: torch.Tensor
-    master: torch.Tensor
-    stats: dict
-
-
-RefreshFn = Callable[[str, torch.Tensor, NMMeta], RefreshOutcome]
+# A topology policy's refresh of one matrix: (name, fp32 master [out, k], current meta) -> the new meta, the slot
+# map and the master already in the new layout (distsparse.topology.RefreshResult).
+RefreshFn = Callable[[str, torch.Tensor, NMMeta], RefreshResult]
 
 
 @dataclass
@@ -128,16 +125,18 @@ def bucket_layout(numel: dict[str, int], owners: dict[str, int], world_size: int
     return layout
 
 
+SHADOW = "shadow."   # state_dict key prefix of reset mode none's dense shadow tensors
+
+
 class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
                  initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1,
                  gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
                  force_collectives: bool = False):
-        if reset_mode not in ("changed", "all"):
-            # TODO: reset mode `none` needs the dense V/P shadow of matrix_state.update_shadow kept per owner.
-            raise ValueError(f"reset_mode: got {reset_mode!r}; allowed in the engine: changed, all")
-        self.rule_name, self.rule, self.hp = rule, get_rule(rule), hparams
+        if reset_mode not in RESET_MODES:
+            raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
+        self.rule, self.hp = get_rule(rule), hparams
         self.mode, self.group, self.reset_mode = mode, group, reset_mode
         self.reduce_dtype = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
         if gather_chunk < 1:
@@ -155,7 +154,7 @@ class MatrixEngine:
 
         costs, params = {}, {}
         for name, module in modules.items():
-            param = module.values if isinstance(module, NMSparseLinear) else module.weight
+            param = backbone_param(module)
             params[name] = param
             costs[name] = matrix_cost(rule, (module.out_features, module.in_features), param.numel(), ns_steps)
         self.costs = costs
@@ -177,6 +176,8 @@ class MatrixEngine:
         self.device = device
         self.buckets = self._make_buckets(num_buckets, device)
         self._boundary = False
+        self._pending_codes: dict[str, torch.Tensor] = {}
+        self.last_refresh_seconds = 0.0
 
         local = self.matrices.values() if mode == "replicated" else self.owned()
         self.masters: dict[str, torch.Tensor] = {}
@@ -185,6 +186,11 @@ class MatrixEngine:
             init = initial_values[m.name] if initial_values else m.param.detach()
             self.masters[m.name] = init.to(device=device, dtype=torch.float32).clone()
             self.states[m.name] = init_state(rule, tuple(m.param.shape), device)
+        # reset mode `none` (paper App. I.3): a dense [out, in] fp32 shadow of every slot tensor of each sparse
+        # matrix updated here, holding a link's state from the moment it left (matrix_state.py; ablation only).
+        self.shadows: dict[str, dict[str, torch.Tensor]] = {
+            name: init_shadow(self.states[name], self.matrices[name].shape)
+            for name in self.masters if reset_mode == "none" and self.matrices[name].sparse}
         self._hooks = [m.param.register_post_accumulate_grad_hook(self._hook(m)) for m in self.matrices.values()]
 
     # ---- layout ------------------------------------------------------------------------------------------
@@ -278,16 +284,22 @@ class MatrixEngine:
         return sum(b.shard_size for b in self.buckets)
 
     def local_grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squared reduced gradients of the matrices this rank is responsible for in the norm
-        (its own shards in both modes, so that a sum over ranks counts every matrix once)."""
-        return sum(self._own_shard(b).double().square().sum() for b in self.buckets)
+        """Sum of squared reduced gradients of the matrices this rank is responsible for in the norm (its own
+        shards in both modes, so that a sum over ranks counts every matrix once): a float64 0-dim tensor on the
+        engine's device, inf or nan when a gradient is. Norms per bucket in fp32 (no fp64 copy of the shard)."""
+        norms = torch.stack([torch.linalg.vector_norm(self._own_shard(b)) for b in self.buckets])
+        return norms.double().square().sum()
+
+    def local_grads_nonfinite(self) -> torch.Tensor:
+        """0 when this rank's own shards are finite, inf otherwise (float64 0-dim): finiteness without a norm."""
+        ok = torch.stack([torch.isfinite(self._own_shard(b)).all() for b in self.buckets]).all()
+        return torch.where(ok, 0.0, float("inf")).double()
 
     def grad_sq_norm(self) -> torch.Tensor:
-        total = self.local_grad_sq_norm()
-        if self.collectives:
-            total = total.to(self.comm_device)
-            dist.all_reduce(total, group=self.group)
-        return total
+        """The squared norm over every rank's reduced gradients (one all-reduce): the engine alone, for tests
+        and tools; a training step sums the local part with the dense side's (distsparse/train/joint_step.py)."""
+        return ddist.dist_sum(self.local_grad_sq_norm(), self.group) if self.collectives else \
+            self.local_grad_sq_norm()
 
     # ---- phase 3-5: update, refresh, gather --------------------------------------------------------------
 
@@ -299,8 +311,7 @@ class MatrixEngine:
             grad = self._grad_view(m).view(m.param.shape)
             if clip_coef != 1.0:
                 grad = grad * clip_coef
-            # adams decays the complement of the support it is given
-            extra = {"mask": m.module.current_mask()} if self.rule_name == "adams" else {}
+            extra = {"mask": m.module.current_mask()} if self.rule.needs_support_mask else {}
             self.rule.step(self.masters[m.name], grad, self.states[m.name], lr=lr, hp=self.hp,
                            index=m.index, shape=m.shape, **extra)
         t0 = time.perf_counter()
@@ -320,17 +331,21 @@ class MatrixEngine:
         self._distribute_codes()
         return stats
 
-    def on_refresh(self, name: str, outcome: RefreshOutcome) -> None:
-        """State follows its links (DESIGN decision 11). `outcome.master` is already in the new layout (kept
-        links moved, new slots initialized by the topology policy); the rule state is moved here."""
-        _, state = move_state(self.states[name], outcome.master, outcome.slots, self.reset_mode)
-        self.masters[name], self.states[name] = outcome.master, state
-        self._pending_codes = getattr(self, "_pending_codes", {})
+    def on_refresh(self, name: str, outcome: RefreshResult) -> None:
+        """State follows its links (DESIGN decision 11). `outcome.new_values` is the master already in the new
+        layout (kept links moved, new slots initialized by the topology policy); the rule state is moved here.
+        The module still holds the old codes (new ones are installed after every owner has refreshed)."""
+        shadow, new_index = self.shadows.get(name), None
+        if shadow is not None:
+            update_shadow(shadow, self.matrices[name].index.long(), self.states[name])
+            new_index = kept_index(outcome.meta)
+        _, state = move_state(self.states[name], outcome.new_values, outcome.slots, self.reset_mode, shadow=shadow,
+                              new_index=new_index)
+        self.masters[name], self.states[name] = outcome.new_values, state
         self._pending_codes[name] = outcome.meta.codes
 
     def _distribute_codes(self) -> None:
-        pending = getattr(self, "_pending_codes", {})
-        self._pending_codes = {}
+        pending, self._pending_codes = self._pending_codes, {}
         if self.mode == "replicated" or not self.collectives:
             for name, codes in pending.items():
                 self.matrices[name].module.set_codes(codes)
@@ -375,12 +390,9 @@ class MatrixEngine:
             bucket.buffer.zero_()
 
     def grads_finite(self) -> bool:
-        """Agreed across ranks: False when any rank's responsible gradients hold inf or nan."""
-        bad = torch.stack([(~torch.isfinite(self._own_shard(b))).any() for b in self.buckets]).any()
-        bad = bad.to(self.comm_device, torch.float32).reshape(1)
-        if self.collectives:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
-        return not bool(bad.item())
+        """Agreed across ranks (one all-reduce and a host read): the engine alone, for tests and tools."""
+        bad = self.local_grads_nonfinite()
+        return bool(torch.isfinite(ddist.dist_sum(bad, self.group) if self.collectives else bad))
 
     # ---- state for checkpoints ---------------------------------------------------------------------------
 
@@ -391,6 +403,7 @@ class MatrixEngine:
             entry = {"master": self.masters[m.name].clone(), **{k: v.clone() for k, v in self.states[m.name].items()}}
             if m.sparse:
                 entry["codes"] = m.module.codes.clone()
+            entry.update({SHADOW + k: v.clone() for k, v in self.shadows.get(m.name, {}).items()})
             out[m.name] = entry
         return out
 
@@ -404,11 +417,19 @@ class MatrixEngine:
             codes = entry.pop("codes", None)
             if codes is not None:
                 self.matrices[name].module.set_codes(codes.to(self.matrices[name].module.codes.device))
+            shadow = {k[len(SHADOW):]: entry.pop(k).to(self.device) for k in list(entry) if k.startswith(SHADOW)}
+            if name in self.shadows:
+                if set(shadow) != set(self.shadows[name]):
+                    raise KeyError(f"matrix state for {name!r}: reset mode 'none' needs its shadow "
+                                   f"{sorted(self.shadows[name])} in the checkpoint, found {sorted(shadow)}")
+                self.shadows[name] = shadow
             self.states[name] = {k: v.to(self.device) if v.dim() else v for k, v in entry.items()}
 
     def state_bytes(self) -> int:
-        """Bytes of backbone optimizer state on this rank: masters, rule state and the gradient buffer."""
+        """Bytes of backbone optimizer state on this rank: masters, rule state (and shadows) and the gradient
+        buffer."""
         tensors = list(self.masters.values()) + [t for s in self.states.values() for t in s.values()]
+        tensors += [t for s in self.shadows.values() for t in s.values()]
         buffers = sum(b.buffer.untyped_storage().nbytes() for b in self.buckets)
         return sum(t.untyped_storage().nbytes() for t in tensors) + buffers
 
@@ -416,17 +437,16 @@ class MatrixEngine:
         """Bytes this rank sends per optimizer step in the backbone collectives, padding included.
 
         Ring algorithms (NCCL's bus-bandwidth model): reduce-scatter and all-gather send W-1 shards, an
-        all-reduce 2 (W-1)/W of its buffer. `reduce`: the gradient buffer in `reduce_dtype`; `scalars`: the
-        joint-norm and finiteness all-reduces the trainer issues every step; `values`: the all-gather in the
-        backbone dtype; `codes`: the uint8 code all-gather that follows a refresh, amortized over
-        `refresh_interval` steps (None: no refreshes). Replicated mode all-reduces and gathers nothing.
+        all-reduce 2 (W-1)/W of its buffer. `reduce`: the gradient buffer in `reduce_dtype`; `values`: the
+        all-gather in the backbone dtype; `codes`: the uint8 code all-gather that follows a refresh, amortized over
+        `refresh_interval` steps (None: no refreshes). Replicated mode all-reduces and gathers nothing. The step's
+        scalars travel in the joint step's one all-reduce (JointOptimizer.scalar_bytes_per_step).
         """
         if refresh_interval is not None and (not isinstance(refresh_interval, int) or refresh_interval < 1):
             raise ValueError(f"refresh_interval: got {refresh_interval!r}; allowed: None or an integer >= 1")
         w = self.world_size
-        out = {"reduce": 0.0, "scalars": 0.0, "values": 0.0, "codes": 0.0}
+        out = {"reduce": 0.0, "values": 0.0, "codes": 0.0}
         if w > 1:
-            out["scalars"] = 2 * (w - 1) / w * (torch.float64.itemsize + torch.float32.itemsize)
             if self.mode == "replicated":
                 out["reduce"] = 2 * (w - 1) / w * w * self.grad_shard_total * self.reduce_dtype.itemsize
             else:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from distsparse.optim.newton_schulz import ns_flops
+from distsparse.optim.rules import get_rule
 
-NS_RULES = ("muon", "tans")
 ELEMENTWISE_COST = 50   # about 50 flops per value for Adam-like rules (DESIGN decision 10)
 
 
 def matrix_cost(rule: str, shape: tuple[int, int], numel: int, ns_steps: int = 5) -> float:
-    """NS FLOPs for Newton-Schulz rules, ~50 x numel for element-wise ones."""
-    if rule in NS_RULES:
+    """NS FLOPs for rules that declare Newton-Schulz, ~50 x numel for element-wise ones."""
+    if get_rule(rule).newton_schulz:
         return float(ns_flops(shape[0], shape[1], ns_steps)) + ELEMENTWISE_COST * numel
     return float(ELEMENTWISE_COST * numel)
 

@@ -4,7 +4,8 @@ Every step function has the signature
     step(master [out, k], grad [out, k], state, *, lr, hp, index, shape) -> None
 updating master and state in place (fp32), with `index` the flat kept index (distsparse.nm.kept_index) or
 None for a dense matrix ([out, in], mask of ones), `shape` = (out, in) of the dense frame and `lr` the
-scheduled learning rate. `adams` also needs `mask=` (bool [out, in]; dense latents only).
+scheduled learning rate. A rule that needs more declares it: `needs_support_mask` rules (`adams`) also take
+`mask=` (bool [out, in], the module's current N:M support; dense latents only), which the engine passes.
 
 State: `slot_keys` are fp32 tensors shaped like the master (they move with their link on a refresh,
 matrix_state.py); `counter_keys` are 0-dim int64 CPU tensors (read without a device sync).
@@ -28,6 +29,8 @@ class Rule(NamedTuple):
     hparams: type
     slot_keys: tuple[str, ...]
     counter_keys: tuple[str, ...]
+    needs_support_mask: bool = False   # step takes mask= (bool [out, in]): the support it decays the complement of
+    newton_schulz: bool = False        # runs Newton-Schulz on the dense frame: its cost is NS FLOPs (owners.py)
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -37,9 +40,9 @@ class Rule(NamedTuple):
 RULES: dict[str, Rule] = {
     "adam": Rule(step_adam, AdamHParams, ("exp_avg", "exp_avg_sq"), ("step",)),
     "adamw": Rule(step_adamw, AdamHParams, ("exp_avg", "exp_avg_sq"), ("step",)),
-    "adams": Rule(step_adams, AdamSHParams, ("exp_avg", "exp_avg_sq"), ("step",)),
-    "muon": Rule(step_muon, MuonHParams, ("momentum",), ()),
-    "tans": Rule(step_tans, TansHParams, ("V", "P"), ("tau", "step")),
+    "adams": Rule(step_adams, AdamSHParams, ("exp_avg", "exp_avg_sq"), ("step",), needs_support_mask=True),
+    "muon": Rule(step_muon, MuonHParams, ("momentum",), (), newton_schulz=True),
+    "tans": Rule(step_tans, TansHParams, ("V", "P"), ("tau", "step"), newton_schulz=True),
 }
 
 

@@ -21,7 +21,6 @@ objects, no logging; the trainer logs `stats` and the engine moves optimizer sta
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from distsparse.topology.selection import SELECTION_MODES, select_units, selecti
 from distsparse.topology.units import (
     M, gather_units, library, num_units, pattern_ids, scatter_units, unit_magnitude,
 )
+from distsparse.utils import hash_seed
 
 ROWWISE_SELECTIONS = ("group_full", "link_survivors")
 NEW_WEIGHT_INITS = ("zero", "swi")
@@ -89,9 +89,9 @@ class RefreshResult:
 
 
 def refresh_generator(seed: int, step: int, name: str) -> torch.Generator:
-    """A CPU generator seeded by sha256 of (seed, step, name): reproducible, independent of world size."""
-    digest = hashlib.sha256(json.dumps([int(seed), int(step), str(name)]).encode("utf-8")).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    """A CPU generator seeded by `hash_seed` of (seed, step, name) as a JSON list: reproducible, independent of
+    world size. (JSON, not stable_seed's "|" join: the draws of earlier runs stay pinned.)"""
+    return torch.Generator().manual_seed(hash_seed(json.dumps([int(seed), int(step), str(name)])))
 
 
 def check_legal(meta: NMMeta, name: str) -> None:

@@ -9,26 +9,18 @@ from distsparse import dist as ddist
 from distsparse.config import TopologyConfig
 from distsparse.models import PROJECTIONS
 from distsparse.nm import NMMeta
-from distsparse.optim.engine import RefreshFn, RefreshOutcome
-from distsparse.topology import RefreshParams, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for
+from distsparse.optim.engine import RefreshFn
+from distsparse.topology import (
+    RefreshResult, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for,
+)
 
 STAT_KEYS = ("groups_selected", "groups_changed", "mpr_exclusions", "links_changed")
-
-
-def build_refresh_params(cfg: TopologyConfig) -> RefreshParams:
-    try:
-        return RefreshParams(**cfg.args)
-    except TypeError as err:
-        raise ValueError(f"method.topology.args: {err}; allowed keys: "
-                         f"{', '.join(RefreshParams.__dataclass_fields__)}") from None
-    except ValueError as err:
-        raise ValueError(f"method.topology.args.{err}") from None
 
 
 class TopologyPolicy:
     def __init__(self, cfg: TopologyConfig, total_steps: int, seed: int):
         self.cfg, self.seed = cfg, seed
-        self.params = build_refresh_params(cfg)
+        self.params = cfg.params
         self.t_end = t_end_for(total_steps, cfg.t_end_fraction)
 
     def due(self, step: int) -> bool:
@@ -36,12 +28,12 @@ class TopologyPolicy:
         return self.cfg.enabled and is_refresh_step(step, self.cfg.update_interval, self.t_end)
 
     def refresh_fn(self, step: int) -> RefreshFn:
-        def refresh(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshOutcome:
+        def refresh(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshResult:
             # Seeded by (seed, step, name): the same masks whichever rank owns the matrix.
             result = refresh_matrix(master, meta, step=step, t_end=self.t_end, params=self.params,
                                     generator=refresh_generator(self.seed, step, name))
             check_legal(result.meta, name)
-            return RefreshOutcome(result.meta, result.slots, result.new_values, result.stats)
+            return result
         return refresh
 
 

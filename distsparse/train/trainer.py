@@ -1,18 +1,18 @@
-"""The training loop (DESIGN s2): DeepSpeed owns the dense side, the matrix engine owns the backbone.
+"""The training loop (DESIGN s2): DeepSpeed owns the dense side, the matrix engine owns the backbone, and one
+`JointOptimizer` (joint_step.py) steps them together.
 
 One optimizer step:
-    micro-steps: forward -> engine.backward (backbone grads -> fp32 buffer via hooks)
-    boundary:    reduce-scatter backbone grads; joint clip over both sides; DeepSpeed step;
-                 backbone step (skipped with a skipped DeepSpeed step or non-finite grads), topology refresh,
-                 all-gather of codes and values
-    then:        log, evaluate, stop
+    micro-steps: forward -> joint.backward (method extra losses; backbone grads -> fp32 buckets via hooks)
+    boundary:    joint.step(): reduce-scatter, one all-reduce of the step's scalars, one clip coefficient for
+                 DeepSpeed and the backbone (or both skip), topology refresh, all-gather, method hooks
+    then:        log, evaluate, checkpoint, stop (preemption agreed in the step's all-reduce)
+Methods plug in through distsparse/train/method_hooks.py; this file holds no method names.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,20 +25,20 @@ from distsparse.checkpoint import CheckpointManager, resume_changes
 from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
-from distsparse.layers.branches import mean_aux_loss
-from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.optim.engine import MatrixEngine
-from distsparse.optim.rules import get_rule
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
+from distsparse.train.joint_step import JointOptimizer, StepReport
+from distsparse.train.method_hooks import build_method_hooks
+from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.permutation_policy import PermutationPolicy
 from distsparse.train.preemption import PreemptionFlag
-from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.schedule import lr_factor
-from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
+from distsparse.train.topology_policy import TopologyPolicy
 
 log = logging.getLogger("distsparse")
+EVERY_STEP = ("loss", "lr", "optim", "time", "memory")   # metric groups of every step; any other is logged when seen
 
 
 @dataclass
@@ -60,15 +60,9 @@ def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.M
 def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group, *,
                         initial: dict[str, torch.Tensor], device: torch.device) -> MatrixEngine:
     """The backbone's engine on `device` (where DeepSpeed put the model), its fp32 masters from `initial`."""
-    rule = get_rule(cfg.method.rule)
-    try:
-        hparams = rule.hparams(lr=cfg.method.lr, **cfg.method.rule_args)
-    except TypeError as err:
-        raise ValueError(f"method.rule_args: {err}; allowed keys for rule {cfg.method.rule!r}: "
-                         f"{', '.join(f for f in rule.hparams.__dataclass_fields__ if f != 'lr')}") from None
-    return MatrixEngine(backbone, rule=cfg.method.rule, hparams=hparams, mode=cfg.engine.mode,
-                        reduce_dtype=cfg.engine.reduce_dtype, group=group, initial_values=initial,
-                        num_buckets=cfg.engine.num_buckets, device=device,
+    return MatrixEngine(backbone, rule=cfg.method.rule, hparams=cfg.method.rule_params, mode=cfg.engine.mode,
+                        reduce_dtype=cfg.engine.reduce_dtype, group=group, reset_mode=cfg.method.reset_mode,
+                        initial_values=initial, num_buckets=cfg.engine.num_buckets, device=device,
                         force_collectives=cfg.engine.force_collectives)
 
 
@@ -79,8 +73,9 @@ def deepspeed_device_args() -> SimpleNamespace | None:
 
 
 class Trainer:
-    """One run: the model, DeepSpeed's engine (dense side), the matrix engine (backbone), data, policies and
-    checkpoints. The launcher has initialized the process group and selected this process's CUDA device."""
+    """One run: the model, DeepSpeed's engine (dense side), the matrix engine (backbone), their joint step, data,
+    policies and checkpoints. The launcher has initialized the process group and selected this process's CUDA
+    device."""
 
     def __init__(self, cfg: Config, ds_config: dict):
         import deepspeed
@@ -91,10 +86,6 @@ class Trainer:
         vocab = cfg.model.vocab_size or self.meta["vocab_size"]
         self.model = build_model(cfg.model, cfg.method, vocab, cfg.train.seed)
         self.backbone = backbone_modules(self.model)
-        for module in self.backbone.values():
-            if isinstance(module, DenseLatentLinear):
-                # SR-STE adds lambda_w * W in every backward, unscaled by DeepSpeed's 1/grad_accum.
-                module.lambda_w /= cfg.train.grad_accum
         # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6); the engine
         # is built after DeepSpeed has moved the model, on the same device (DESIGN decision 17).
         initial = {name: backbone_param(m).detach().float().clone() for name, m in self.backbone.items()}
@@ -105,6 +96,10 @@ class Trainer:
         self.device = self.engine.device
         self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group(), initial=initial, device=self.device)
         del initial
+        if self.matrix.shadows:
+            shadow_gb = sum(t.untyped_storage().nbytes() for s in self.matrix.shadows.values() for t in s.values())
+            log.warning("method.reset_mode none (an ablation setting): dense fp32 shadows of the optimizer state "
+                        "hold %.3f GiB on rank %d", shadow_gb / 2**30, self.rank)
         self.dtype = resolve_dtype(cfg)
         self.train_data = TokenDataset(cfg.data.dir, "train", cfg.data.seq_len)
         self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
@@ -112,8 +107,13 @@ class Trainer:
                                           self.world_size, self.rank, cfg.train.seed)
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
         self.permutations = PermutationPolicy(cfg.method.permutation, self.model, cfg.train.steps)
+        self.hooks = build_method_hooks(self.model, self.backbone, micro_batches=cfg.train.grad_accum,
+                                        permutations=self.permutations)
+        self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
+                                    topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s))
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
         self.step = 0
+        self.report: StepReport | None = None
         self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
                                              cfg.checkpoint.keep_last)
         self.preemption = PreemptionFlag().install()
@@ -121,72 +121,27 @@ class Trainer:
             self.resume(cfg.checkpoint.resume)
 
     def _dense_scheduler(self, optimizer):
-        t = self.cfg.train
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-            s, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_scale(s))
 
-    def lr_scale(self) -> float:
+    def lr_scale(self, step: int | None = None) -> float:
+        """The schedule's factor at optimizer step `step` (default: the current one), both sides."""
         t = self.cfg.train
-        return lr_factor(self.step, warmup_steps=t.warmup_steps, total_steps=t.steps, min_ratio=t.min_lr_ratio)
+        return lr_factor(self.step if step is None else step, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                         min_ratio=t.min_lr_ratio)
 
     # ---- one optimizer step ------------------------------------------------------------------------------
 
-    def _clip(self) -> tuple[float, float]:
-        """Joint clip over DeepSpeed and the backbone (DESIGN decision 4): returns (total norm, coefficient)
-        and sets DeepSpeed's clip threshold so that it applies the same coefficient."""
-        ds_norm = float(self.engine.optimizer.scaled_global_norm())
-        total = math.sqrt(ds_norm ** 2 + float(self.matrix.grad_sq_norm()))
-        max_norm = self.cfg.train.grad_clip
-        if max_norm <= 0 or total <= max_norm:
-            return total, 1.0
-        self.engine.optimizer.clip_grad = max_norm * ds_norm / total
-        return total, max_norm / (total + 1e-6)
-
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        for module in self.backbone.values():
-            if isinstance(module, DenseLatentLinear) and module.mode == "cast":
-                module.maybe_update_mask(self.step)   # CAST recomputes its mask every few steps
-        losses = []
-        grad_norm, coef = 0.0, 1.0
+        """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`)."""
+        taken = self.step + 1
+        self.joint.begin(self.step)
         for i, batch in enumerate(batches):
-            if i == len(batches) - 1:
-                self.matrix.start_boundary()   # backbone buckets reduce as their gradients complete
-            else:
-                self.matrix.start_micro_step()
             out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
-            loss = out.loss
-            for extra in (mean_aux_loss(self.model),               # Add+Align's alignment term
-                          self.permutations.penalty(self.step)):   # ShuffleSparse penalty on soft blocks
-                if extra is not None:
-                    loss = loss + extra
-            self.engine.backward(loss)
-            losses.append(out.loss.detach().float())
-            if i == len(batches) - 1:
-                self.matrix.reduce_gradients()
-                grad_norm, coef = self._clip()
-            saved_clip = self.engine.optimizer.clip_grad
-            self.engine.step()
-            self.engine.optimizer.clip_grad = saved_clip   # it is serialized with checkpoints
-        applied = self.engine.was_step_applied()
-        finite = self.matrix.grads_finite()
-        metrics = {"optim/grad_norm": grad_norm, "optim/clip_coef": coef,
-                   "lr/dense": self.cfg.train.lr * self.lr_scale(),
-                   "lr/backbone": self.cfg.method.lr * self.lr_scale()}
-        if applied and finite:
-            taken = self.step + 1
-            refresh = self.topology.refresh_fn(taken) if self.topology.due(taken) else None
-            stats = self.matrix.step(self.cfg.method.lr * self.lr_scale(), coef, refresh)
-            if refresh is not None:
-                metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
-        else:
-            log.warning("step %d: backbone step skipped (DeepSpeed step applied: %s, backbone grads finite: %s)",
-                        self.step, applied, finite)
-            metrics["optim/skipped_steps"] = 1.0
-        self.matrix.zero_grad()
-        metrics.update(self.permutations.after_step(self.step + 1))
-        loss = ddist.dist_sum(torch.stack(losses).mean().double()) / self.world_size
-        metrics["loss/train"] = float(loss)
-        return metrics
+            self.joint.backward(out.loss, last=i == len(batches) - 1)
+        logging_step = taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
+        self.report = self.joint.step(measure_norm=logging_step, preempt=self.preemption.set)
+        return {**self.report.metrics, "lr/dense": self.cfg.train.lr * self.lr_scale(),
+                "lr/backbone": self.cfg.method.lr * self.lr_scale()}
 
     # ---- evaluation --------------------------------------------------------------------------------------
 
@@ -247,15 +202,15 @@ class Trainer:
     def train(self) -> TrainResult:
         cfg = self.cfg
         out_dir = Path(cfg.train.out_dir)
+        counts = parameter_counts(self.model)
         if self.rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-            log.info("parameters: %s", parameter_counts(self.model))
+            log.info("parameters: %s", counts)
         tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * self.world_size * cfg.data.seq_len
         micro_batches = iter(self.sampler)
         start = time.perf_counter()
         metrics, val_loss, val_ppl = {}, float("nan"), float("nan")
-        preempted = False
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             batches = [collate(self.train_data, next(micro_batches)) for _ in range(cfg.train.grad_accum)]
@@ -264,40 +219,42 @@ class Trainer:
             step_time = time.perf_counter() - t0
             metrics.update({"time/step_s": step_time, "time/tokens_per_s": tokens_per_step / step_time,
                             "memory/peak_gb": peak_memory_gb()})
+            method_metrics = {}
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
-                metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl})
-                metrics.update(cast_metrics(self.backbone.values()))   # how much CAST's projection will cut
-            periodic = any(k.startswith(("loss/val", "topology/", "permutation/")) for k in metrics)
+                method_metrics = self.hooks.metrics()
+                metrics.update({"loss/val": val_loss, "loss/val_ppl": val_ppl, **method_metrics})
+            periodic = "loss/val" in metrics or any(k.split("/", 1)[0] not in EVERY_STEP for k in metrics)
             if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or periodic:
                 self.writer.log(metrics, self.step)
                 if self.rank == 0:
-                    elapsed = time.perf_counter() - start
-                    eta = elapsed / self.step * (cfg.train.steps - self.step)
-                    line = (f"step {self.step}/{cfg.train.steps} | loss {metrics['loss/train']:.4f} | "
-                            f"grad_norm {metrics['optim/grad_norm']:.3f} | lr {metrics['lr/dense']:.2e} | "
-                            f"tok/s {metrics['time/tokens_per_s']:.0f} | eta {eta:.0f}s")
-                    if "loss/val" in metrics:
-                        line += f" | val_loss {val_loss:.4f} | val_ppl {val_ppl:.2f}"
-                    if "cast/projection_cut" in metrics:
-                        line += f" | projection_cut {metrics['cast/projection_cut']:.3f}"
-                    log.info(line)
-            if ddist.any_rank(self.preemption.set):   # one collective: ranks agree on a signal seen by any
+                    log.info(self._log_line(metrics, method_metrics, time.perf_counter() - start))
+            if self.report.preempt:   # agreed in the step's all-reduce: every rank saves and stops here
                 log.warning("preemption signal: saving a checkpoint at step %d and exiting", self.step)
                 self.save()
-                preempted = True
-                break
+                return TrainResult(self.step, metrics["loss/train"], val_loss, val_ppl, True)
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0 and self.step < cfg.train.steps:
                 self.save()
-        if preempted:
-            return TrainResult(self.step, metrics.get("loss/train", float("nan")), val_loss, val_ppl, True)
         if cfg.checkpoint.save_at_end and (cfg.checkpoint.interval or cfg.checkpoint.resume):
             self.save()
         final = {"final/val_loss": val_loss, "final/val_ppl": val_ppl, "final/train_loss": metrics["loss/train"]}
-        self.writer.hparams(config_to_dict(cfg), final)
+        # The realized parameter counts sit next to the hyperparameters (branch share included).
+        self.writer.hparams({**config_to_dict(cfg), "parameter_counts": counts}, final)
         if self.rank == 0:
             (out_dir / "result.json").write_text(json.dumps({"step": self.step, **final}, indent=2))
         return TrainResult(self.step, metrics["loss/train"], val_loss, val_ppl)
+
+    def _log_line(self, metrics: dict[str, float], method_metrics: dict[str, float], elapsed: float) -> str:
+        """Rank 0's console line: step, loss, grad_norm (when measured), lr, tokens/s, ETA, validation, method."""
+        total = self.cfg.train.steps
+        line = f"step {self.step}/{total} | loss {metrics['loss/train']:.4f}"
+        if "optim/grad_norm" in metrics:
+            line += f" | grad_norm {metrics['optim/grad_norm']:.3f}"
+        line += (f" | lr {metrics['lr/dense']:.2e} | tok/s {metrics['time/tokens_per_s']:.0f} | "
+                 f"eta {elapsed / self.step * (total - self.step):.0f}s")
+        if "loss/val" in metrics:
+            line += f" | val_loss {metrics['loss/val']:.4f} | val_ppl {metrics['loss/val_ppl']:.2f}"
+        return line + "".join(f" | {key.rsplit('/', 1)[-1]} {value:.3f}" for key, value in method_metrics.items())
 
     def close(self) -> None:
         self.preemption.uninstall()

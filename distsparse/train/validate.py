@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from distsparse.checkpoint import check_resume
-from distsparse.config import Config
+from distsparse.config import Config, check_backbone_shapes
 from distsparse.data import load_meta
 
 
@@ -19,11 +19,6 @@ def validate(cfg: Config) -> dict:
     if meta["mode"] == "truncate_pad" and cfg.data.seq_len != meta["seq_len"]:
         raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; data in {cfg.data.dir} is truncate_pad at "
                          f"{meta['seq_len']}; allowed: {meta['seq_len']}")
-    spec = cfg.method.spec
-    if spec is not None:
-        spec.check_shape(cfg.model.ffn_width, cfg.model.hidden_size, name="model.hidden_size")
-        spec.check_shape(cfg.model.hidden_size, cfg.model.ffn_width, name="model.intermediate_size (rounded)")
-        if spec.layout == "block" and cfg.model.hidden_size % 4:
-            raise ValueError(f"model.hidden_size: got {cfg.model.hidden_size}; block-wise needs a multiple of 4")
+    check_backbone_shapes(cfg.model, cfg.method)
     check_resume(cfg, meta)
     return meta

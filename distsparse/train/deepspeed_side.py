@@ -1,0 +1,105 @@
+"""The dense side of the joint step: DeepSpeed's ZeRO-1/2 optimizer, driven through the few internals of
+deepspeed==0.19.8 the joint step needs (DESIGN decisions 4, 15, 18). Nothing else in the project touches them.
+
+What the joint step needs from DeepSpeed, and where 0.19.8's `DeepSpeedZeroOptimizer.step` (runtime/zero/
+stage_1_and_2.py) offers it:
+
+    local squared norm   `averaged_gradients[group]`: the reduced gradient partition this rank owns after the
+                         boundary backward (padding views are flagged `_zero_padding`). The sum of their squared
+                         norms is what `get_grad_norm_direct` computes before its own all-reduce; here it joins the
+                         joint step's one all-reduce instead.
+    one coefficient      `step` takes its norm from `scaled_global_norm()` and scales the partition by
+                         clip_grad / (norm + 1e-6) when that is below 1. Handing it the joint norm makes it apply
+                         the joint coefficient with its threshold left at train.grad_clip: nothing to restore.
+    both sides skip      `step` skips (zero_grad, no Adam update, no scheduler step, `was_step_applied()` False)
+                         when `check_overflow()` sets `overflow`; with `check_grad_overflow` on it is called in fp32
+                         and bf16 alike. The joint step decides and `check_overflow` reports that decision, so a
+                         non-finite backbone gradient skips the dense side and nothing non-finite reaches Adam.
+
+`step` swaps `scaled_global_norm`, `check_overflow` and `check_grad_overflow` on the optimizer instance for the one
+call and restores them in `finally`, where it also sets the clip threshold to train.grad_clip (as it does before
+the call: a checkpoint written before the joint step existed may have loaded a stale one). The norm it hands over
+is a CPU tensor: DeepSpeed's own validity check of it (`is_invalid_grad_norm`, a bool()) then costs no device sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+class DeepSpeedSide:
+    """Wraps a DeepSpeedEngine whose optimizer is ZeRO-1/2 (`DeepSpeedZeroOptimizer`), without offload or fp16."""
+
+    def __init__(self, engine, grad_clip: float):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        opt = engine.optimizer
+        if not isinstance(opt, DeepSpeedZeroOptimizer):
+            raise ValueError(f"DeepSpeed optimizer: got {type(opt).__name__}; allowed: DeepSpeedZeroOptimizer "
+                             f"(zero_optimization.stage 1 or 2; the joint step drives its internals)")
+        if opt.cpu_offload:
+            raise ValueError("zero_optimization.offload_optimizer: got a device; allowed: none (the joint step reads "
+                             "the reduced gradient partition on the device)")
+        if float(opt.loss_scale) != 1.0:
+            raise ValueError(f"DeepSpeed loss scale: got {opt.loss_scale}; allowed: 1 (fp32 or bf16, no fp16)")
+        if opt.clip_grad != grad_clip:
+            raise ValueError(f"DeepSpeed gradient_clipping: got {opt.clip_grad}; allowed: train.grad_clip "
+                             f"({grad_clip}), so that both sides apply one coefficient")
+        self.engine, self.optimizer, self.grad_clip = engine, opt, grad_clip
+
+    def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+        """DeepSpeed's backward; off the boundary also its step bookkeeping (no update happens there)."""
+        assert self.engine.is_gradient_accumulation_boundary() == boundary, \
+            (self.engine.is_gradient_accumulation_boundary(), boundary)
+        self.engine.backward(loss)
+        if not boundary:
+            self.engine.step()
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        return [g for group in self.optimizer.averaged_gradients.values() for g in (group or ())
+                if not getattr(g, "_zero_padding", False)]
+
+    def local_sq_norm(self) -> torch.Tensor:
+        """Sum of squared gradients of this rank's partition: float64 0-dim (inf or nan when a gradient is)."""
+        grads = self._partition_grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        return norms.double().square().sum()
+
+    def local_nonfinite(self) -> torch.Tensor:
+        """0 when this rank's partition is finite, inf otherwise (float64 0-dim): finiteness without a norm."""
+        grads = self._partition_grads()
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.engine.device)
+        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        return torch.where(ok, 0.0, float("inf")).double()
+
+    def step(self, joint_norm: float, skip: bool) -> None:
+        """DeepSpeed's boundary step with the joint norm (its clip coefficient becomes the joint one), or its own
+        skip path when `skip` (the norm is then not read). Raises if DeepSpeed disagrees about having applied the
+        step."""
+        opt = self.optimizer
+        norm = torch.tensor(joint_norm, dtype=torch.float32, device=CPU)
+
+        def check_overflow(partition_gradients: bool = True) -> None:
+            opt.overflow = skip
+
+        saved_check = opt.check_grad_overflow
+        opt.scaled_global_norm = lambda norm_type=2: norm
+        opt.check_overflow = check_overflow
+        opt.check_grad_overflow = True
+        # The threshold is train.grad_clip, whatever a checkpoint loaded: files written before the joint step
+        # existed hold a threshold rescaled for one step.
+        opt.clip_grad = self.grad_clip
+        try:
+            self.engine.step()
+        finally:
+            del opt.scaled_global_norm, opt.check_overflow   # the class methods again
+            opt.check_grad_overflow, opt.clip_grad = saved_check, self.grad_clip
+        applied = self.engine.was_step_applied()
+        if applied == skip:
+            raise RuntimeError(f"DeepSpeed step applied: {applied}, joint step asked to skip: {skip} "
+                               f"(deepspeed internals differ from 0.19.8?)")

@@ -1,0 +1,137 @@
+"""The joint optimizer step (DESIGN s2, decisions 4 and 18): one object owns the accumulation boundary of both
+optimizers. DeepSpeed ZeRO-1/2 steps the dense side, the matrix engine the backbone; the trainer, the tests and the
+benchmarks all step through `JointOptimizer`, and nobody else writes this sequence.
+
+    begin(step)           method hooks before the first forward (CAST's mask update)
+    backward(loss, last)  per micro-batch: + method extra losses, DeepSpeed backward; the last one arms the backbone
+                          buckets, which then reduce-scatter while backward still runs
+    step()                the boundary, in five phases:
+      1 reduce    wait for the backbone reduce-scatter (DeepSpeed reduced its partition in the last backward)
+      2 agree     one all-reduce of [dense |g|^2, backbone |g|^2, loss, preemption] and one host read. The
+                  squared norms are local sums over each rank's own partition/shards; with clipping off and no
+                  norm wanted (not a logging step) they are finiteness flags (0 or inf) instead: no norm work.
+                  finite = the joint norm is finite: both sides step, or both skip.
+      3 dense     DeepSpeed's step, handed the joint norm: it scales by min(1, clip / (norm + 1e-6)), the one
+                  coefficient; its threshold is train.grad_clip before the step and after it (`finally`).
+                  A non-finite norm takes DeepSpeed's own skip path: nothing non-finite reaches Adam.
+      4 backbone  owners' rule step with the same coefficient; the topology refresh when due; all-gather
+      5 hooks     method hooks after the step (ShuffleSparse hardening), metrics
+
+The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in Python on its overflow flag and the
+engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
+The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
+(topology_policy.refresh_metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from distsparse import dist as ddist
+from distsparse.optim.engine import MatrixEngine
+from distsparse.train.deepspeed_side import DeepSpeedSide
+from distsparse.train.method_hooks import HookSet, MethodHooks
+from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
+
+log = logging.getLogger("distsparse")
+SCALARS = ("dense_sq_norm", "backbone_sq_norm", "loss", "preempt")   # the step's one all-reduce, float64
+
+
+@dataclass
+class StepReport:
+    """What one joint step did. `metrics` holds its grouped TensorBoard scalars (`loss/`, `optim/`, `topology/`,
+    method keys)."""
+    applied: bool                   # both sides stepped; False: both skipped (non-finite gradients)
+    loss: float                     # model loss, mean over micro-batches and ranks (method extra terms excluded)
+    grad_norm: float | None         # joint norm over both sides; None when not measured (clipping off, no log)
+    clip_coef: float                # the coefficient both sides applied (1.0: not clipped)
+    preempt: bool                   # some rank had a preemption signal when this step's boundary began
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class JointOptimizer:
+    """DeepSpeed's engine (dense side) and the MatrixEngine (backbone) stepped as one optimizer."""
+
+    def __init__(self, ds_engine, matrix: MatrixEngine, *, grad_clip: float, backbone_lr: Callable[[int], float],
+                 hooks: MethodHooks | None = None, topology: TopologyPolicy | None = None):
+        self.dense = DeepSpeedSide(ds_engine, grad_clip)
+        self.matrix, self.grad_clip, self.backbone_lr = matrix, grad_clip, backbone_lr
+        self.hooks = hooks if hooks is not None else HookSet([])
+        self.topology = topology
+        self.step_index = 0
+        self._losses: list[torch.Tensor] = []
+
+    @staticmethod
+    def scalar_bytes_per_step(world_size: int) -> float:
+        """Bytes a rank sends for the step's scalars: one ring all-reduce of len(SCALARS) float64."""
+        return 2 * (world_size - 1) / world_size * len(SCALARS) * torch.float64.itemsize
+
+    # ---- micro-steps -------------------------------------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        """Start optimizer step `step` (0-based: steps completed so far)."""
+        self.step_index, self._losses = step, []
+        self.hooks.before_step(step)
+
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """Backward of one micro-batch's model loss; `last` marks the step's final micro-batch."""
+        self._losses.append(loss.detach())
+        extra = self.hooks.extra_loss(self.step_index)
+        if extra is not None:
+            loss = loss + extra
+        if last:
+            self.matrix.start_boundary()   # backbone buckets reduce as their gradients complete
+        else:
+            self.matrix.start_micro_step()
+        self.dense.backward(loss, boundary=last)
+
+    # ---- the boundary ------------------------------------------------------------------------------------
+
+    def step(self, *, measure_norm: bool = False, preempt: bool = False) -> StepReport:
+        """Reduce, agree, step both sides with one coefficient (or skip both), refresh, hooks. `measure_norm`
+        asks for the joint norm when clipping is off (logging steps); `preempt` is this rank's signal flag."""
+        assert self._losses, "step() without a backward since begin()"
+        # phase 1: reduce
+        self.matrix.reduce_gradients()
+        # phase 2: agree, one all-reduce and one host read (module docstring)
+        norm_wanted = self.grad_clip > 0 or measure_norm
+        if norm_wanted:
+            dense, backbone = self.dense.local_sq_norm(), self.matrix.local_grad_sq_norm()
+        else:
+            dense, backbone = self.dense.local_nonfinite(), self.matrix.local_grads_nonfinite()
+        device = self.matrix.device
+        loss = torch.stack(self._losses).double().mean()
+        local = torch.stack([dense.to(device), backbone.to(device), loss.to(device),
+                             torch.tensor(float(preempt), dtype=torch.float64, device=device)])
+        dense_sq, backbone_sq, loss_sum, preempt_count = ddist.dist_sum(local).tolist()   # the host sync
+        finite = math.isfinite(dense_sq + backbone_sq)
+        norm = math.sqrt(dense_sq + backbone_sq) if norm_wanted and finite else None
+        coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 and finite else 1.0
+        # phase 3: dense side (DeepSpeed's own clip with the joint norm, or its skip path)
+        self.dense.step(norm if norm is not None else 0.0, skip=not finite)
+        # phase 4: backbone, refresh when due
+        taken = self.step_index + 1
+        metrics: dict[str, float] = {}
+        if finite:
+            due = self.topology is not None and self.topology.due(taken)
+            refresh = self.topology.refresh_fn(taken) if due else None
+            stats = self.matrix.step(self.backbone_lr(self.step_index), coef, refresh)
+            if refresh is not None:
+                metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
+        else:
+            log.warning("step %d: non-finite gradients (dense side finite: %s, backbone finite: %s): both sides "
+                        "skipped", taken, math.isfinite(dense_sq), math.isfinite(backbone_sq))
+            metrics["optim/skipped_steps"] = 1.0
+        self.matrix.zero_grad()
+        # phase 5: method hooks
+        metrics.update(self.hooks.after_step(taken))
+        loss_mean = loss_sum / ddist.world_size()
+        metrics.update({"loss/train": loss_mean, "optim/clip_coef": coef})
+        if norm is not None:
+            metrics["optim/grad_norm"] = norm
+        return StepReport(finite, loss_mean, norm, coef, preempt_count > 0, metrics)

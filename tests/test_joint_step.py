@@ -1,0 +1,265 @@
+"""The joint step through the real Trainer on 2 gloo ranks (DESIGN decision 18): one clip coefficient for both sides,
+DeepSpeed's threshold left at train.grad_clip after every step and in every checkpoint, both sides skipping together
+on a non-finite gradient of either, and the step's scalars in one all-reduce.
+
+Applied coefficients are read back from the updates. Both sides run Adam with beta1 = beta2 = 0, eps = 1, lr = 1 and no
+weight decay: every step then moves a weight by d = -c g / (c |g| + 1), c the clip coefficient and g the mean gradient
+over both ranks' batches, with no history, so c = -d / (g + d |g|) can be solved on any step. g comes from a float64
+reference computed in one process on a copy of the current weights.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from distsparse.config import load_config
+from distsparse.train.ds_config import build_ds_config
+from synthetic_data import make_data_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 97
+BASE = ["model.preset=tiny", "model.num_hidden_layers=1", "data.seq_len=16", "train.micro_batch=2",
+        "method.preset=chts24_1of4_row", "train.steps=6", "train.warmup_steps=0", "train.eval_interval=1000",
+        "train.log_interval=1000", "train.weight_decay=0.0"]
+HISTORY_FREE = ["train.lr=1.0", "method.lr=1.0", "train.min_lr_ratio=1.0", "train.beta1=0.0", "train.beta2=0.0",
+                "method.rule_args={beta1: 0.0, beta2: 0.0, eps: 1.0}", "train.dtype=fp32"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return make_data_dir(tmp_path_factory.mktemp("data"))
+
+
+def _batch(rank: int) -> dict[str, torch.Tensor]:
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(50 + rank))
+    return {"input_ids": x, "labels": x}
+
+
+def _trainer(data_dir, out_dir, overrides, eps=None, bf16_overflow_check=None):
+    from distsparse.train.trainer import Trainer
+    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides)
+    ds_config = build_ds_config(ROOT / "configs/ds/zero2.json", cfg)
+    if eps is not None:
+        ds_config["optimizer"]["params"]["eps"] = eps
+    if bf16_overflow_check is not None:
+        ds_config["bf16"]["check_grad_overflow"] = bf16_overflow_check
+    return cfg, Trainer(cfg, ds_config)
+
+
+def _backbone_names(trainer) -> set[str]:
+    from distsparse.models import backbone_param
+    ids = {id(backbone_param(m)) for m in trainer.backbone.values()}
+    return {n for n, p in trainer.model.named_parameters() if id(p) in ids}
+
+
+def _reference_gradients(cfg, trainer, world_size) -> dict[str, torch.Tensor]:
+    """float64 mean over both ranks' batches of every parameter's gradient of the loss, at the trainer's current
+    weights, on a fresh copy of the model in this process."""
+    from distsparse.models import build_model
+    model = build_model(cfg.model, cfg.method, VOCAB, cfg.train.seed)
+    model.load_state_dict(trainer.model.state_dict())
+    grads = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in model.named_parameters()}
+    for r in range(world_size):
+        model.zero_grad()
+        model(**_batch(r)).loss.backward()
+        for n, p in model.named_parameters():
+            grads[n] += p.grad.double() / world_size
+    return grads
+
+
+def _applied_coefficient(before, after, grads, names) -> float:
+    """Least-squares c of c (g + d |g|) = -d over `names` (module docstring)."""
+    num = den = 0.0
+    for name in names:
+        g, d = grads[name], (after[name] - before[name]).double()
+        a = g + d * g.abs()
+        num, den = num - float((d * a).sum()), den + float((a * a).sum())
+    return num / den
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _saved_clip(path: Path, rank: int) -> float:
+    """DeepSpeed's clip threshold as its checkpoint file of this rank holds it (DeepSpeed's own pickle)."""
+    sd = torch.load(path / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu", weights_only=False)
+    return float(sd["optimizer_state_dict"]["clip_grad"])
+
+
+def _clip_then_no_clip(rank, world_size, data_dir, out_dir):
+    from distsparse.models import backbone_param
+    cfg, trainer = _trainer(data_dir, out_dir, HISTORY_FREE + ["train.grad_clip=1.0"], eps=1.0)
+    scale = [1.0]
+    forward = trainer.engine.forward
+
+    def scaled(*args, **kwargs):   # the loss times a per-step factor: a chosen joint norm on each step
+        out = forward(*args, **kwargs)
+        out["loss"] = out["loss"] * scale[0]
+        return out
+
+    trainer.engine.forward = scaled
+    backbone = _backbone_names(trainer)
+    dense = set(_weights(trainer)) - backbone
+    out = {"clip_after": [], "clip_saved": [], "coef_reported": [], "applied": []}
+    # Step 1: joint norm 10 (clipped to 1 / 10) with the backbone's gradients boosted 30x, so that most of the norm
+    # is the backbone's (a threshold rescaled by the dense share would be far below 1). Step 2: joint norm 0.9, no
+    # clipping due: both sides must take coefficient 1.
+    for target, boost in ((10.0, 30.0), (0.9, 1.0)):
+        grads = _reference_gradients(cfg, trainer, world_size)
+        grads.update({n: grads[n] * boost for n in backbone})
+        scale[0] = target / math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        grads = {n: g * scale[0] for n, g in grads.items()}
+        hooks = [backbone_param(m).register_hook(lambda g: g * boost) for m in trainer.backbone.values()]
+        if boost == 1.0:   # what a checkpoint written by the old trainer loads: a threshold rescaled for one step
+            trainer.engine.optimizer.clip_grad = 0.3
+        before = _weights(trainer)
+        metrics = trainer.train_step([_batch(rank)])
+        trainer.step += 1
+        for h in hooks:
+            h.remove()
+        after = _weights(trainer)
+        out["clip_after"].append(trainer.engine.optimizer.clip_grad)
+        out["clip_saved"].append(_saved_clip(trainer.save(), rank))
+        out["coef_reported"].append(metrics["optim/clip_coef"])
+        out["applied"].append({side: _applied_coefficient(before, after, grads, names)
+                               for side, names in (("dense", dense), ("backbone", backbone))})
+    trainer.close()
+    return out
+
+
+def test_a_clipped_step_then_an_unclipped_one_give_both_sides_one_coefficient_and_keep_the_threshold(
+        ranks2, data_dir, tmp_path):
+    for r in ranks2.run(_clip_then_no_clip, data_dir, str(tmp_path)):
+        for want, applied in zip((1 / (10 + 1e-6), 1.0), r["applied"]):
+            assert applied["dense"] == pytest.approx(want, rel=1e-4), r["applied"]
+            assert applied["backbone"] == pytest.approx(want, rel=1e-4), r["applied"]
+        assert r["coef_reported"] == [pytest.approx(1 / (10 + 1e-6), rel=1e-5), 1.0]
+        assert r["clip_after"] == [1.0, 1.0], "DeepSpeed's threshold must stay train.grad_clip after every step"
+        assert r["clip_saved"] == [1.0, 1.0], "every checkpoint must hold train.grad_clip"
+
+
+def _state(trainer) -> dict[str, torch.Tensor]:
+    """Every weight and every optimizer state tensor of both sides on this rank."""
+    out = {f"model/{n}": t for n, t in _weights(trainer).items()}
+    opt = trainer.engine.optimizer
+    for i, part in enumerate(opt.single_partition_of_fp32_groups):
+        out[f"ds_master/{i}"] = part.detach().clone()
+        for key, t in opt.optimizer.state.get(part, {}).items():
+            if torch.is_tensor(t):
+                out[f"ds_state/{i}/{key}"] = t.detach().clone()
+    for name, master in trainer.matrix.masters.items():
+        out[f"master/{name}"] = master.clone()
+        out.update({f"state/{name}/{k}": v.clone() for k, v in trainer.matrix.states[name].items()})
+    return out
+
+
+def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_check):
+    from distsparse.models import backbone_param
+    _, trainer = _trainer(data_dir, out_dir, overrides, bf16_overflow_check=bf16_overflow_check)
+    trainer.train_step([_batch(rank)])   # a normal step first: Adam state exists on both sides
+    trainer.step += 1
+    before = _state(trainer)
+    name = sorted(trainer.backbone)[0]
+    handle = None
+    if rank == 1:   # one rank, one backbone matrix: the dense side's gradients stay finite
+        handle = backbone_param(trainer.backbone[name]).register_hook(lambda g: torch.full_like(g, float("nan")))
+    metrics = trainer.train_step([_batch(rank)])
+    trainer.step += 1
+    if handle is not None:
+        handle.remove()
+    skipped = _state(trainer)
+    trainer.train_step([_batch(rank)])
+    trainer.step += 1
+    after = _state(trainer)
+    trainer.close()
+    changed = [k for k in before if not torch.equal(before[k], skipped[k])]
+    return {"changed_by_skip": changed, "skipped_metric": metrics.get("optim/skipped_steps"),
+            "finite_after": all(bool(torch.isfinite(t).all()) for t in after.values() if t.is_floating_point()),
+            "trained_after": [k for k in before if k.startswith("model/") and not torch.equal(skipped[k], after[k])],
+            "num_model": sum(k.startswith("model/") for k in before)}
+
+
+# bf16 ZeRO-2 with DeepSpeed's own overflow check off is where a NaN threshold used to reach the dense weights.
+@pytest.mark.parametrize("dtype,grad_clip,bf16_overflow_check",
+                         [("fp32", "1.0", None), ("fp32", "0.0", None), ("bf16", "1.0", False), ("bf16", "0.0", False)])
+def test_a_backbone_only_nan_skips_both_sides_with_every_weight_bit_identical(ranks2, data_dir, tmp_path, dtype,
+                                                                              grad_clip, bf16_overflow_check):
+    overrides = [f"train.dtype={dtype}", f"train.grad_clip={grad_clip}"]
+    for r in ranks2.run(_backbone_nan, data_dir, str(tmp_path), overrides, bf16_overflow_check):
+        assert r["changed_by_skip"] == [], f"the skipped step changed {r['changed_by_skip'][:5]}"
+        assert r["skipped_metric"] == 1.0
+        assert r["finite_after"], "the next step must start from clean buffers"
+        assert len(r["trained_after"]) == r["num_model"], "the next step trains every parameter again"
+
+
+def _count_step_collectives(rank, world_size, data_dir, out_dir, overrides):
+    import torch.distributed as dist
+    _, trainer = _trainer(data_dir, out_dir, overrides)
+    trainer.train_step([_batch(rank)])   # warm: lazy state
+    trainer.step += 1
+    seen = {"small_all_reduce": 0, "vector_norm": 0}
+    real_all_reduce, real_norm = dist.all_reduce, torch.linalg.vector_norm
+
+    def all_reduce(tensor, *args, **kwargs):
+        if tensor.numel() <= 16:
+            seen["small_all_reduce"] += 1
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    def vector_norm(*args, **kwargs):
+        seen["vector_norm"] += 1
+        return real_norm(*args, **kwargs)
+
+    dist.all_reduce, torch.linalg.vector_norm = all_reduce, vector_norm
+    try:
+        metrics = trainer.train_step([_batch(rank)])   # not a logging step (log_interval 1000), no refresh
+    finally:
+        dist.all_reduce, torch.linalg.vector_norm = real_all_reduce, real_norm
+    trainer.close()
+    return seen, metrics
+
+
+@pytest.mark.parametrize("grad_clip", ["1.0", "0.0"])
+def test_the_step_scalars_travel_in_one_all_reduce_and_no_norm_is_computed_without_clipping(
+        ranks2, data_dir, tmp_path, grad_clip):
+    for seen, metrics in ranks2.run(_count_step_collectives, data_dir, str(tmp_path),
+                                    ["train.dtype=fp32", f"train.grad_clip={grad_clip}"]):
+        assert seen["small_all_reduce"] == 1, seen
+        if grad_clip == "0.0":
+            assert seen["vector_norm"] == 0 and "optim/grad_norm" not in metrics, (seen, metrics)
+        else:
+            assert seen["vector_norm"] > 0 and metrics["optim/grad_norm"] > 0
+
+
+PATCHED = ("scaled_global_norm", "check_overflow")
+
+
+def _dense_step_raises(rank, world_size, data_dir, out_dir):
+    _, trainer = _trainer(data_dir, out_dir, ["train.dtype=bf16", "train.grad_clip=1.0"], bf16_overflow_check=False)
+    opt = trainer.engine.optimizer
+    step = trainer.engine.step
+    seen = {}
+
+    def failing():   # DeepSpeed's step fails after the joint step has set it up
+        seen.update(patched=[k for k in PATCHED if k in vars(opt)], check=opt.check_grad_overflow)
+        opt.clip_grad = 123.0
+        raise RuntimeError("injected failure inside DeepSpeed's step")
+
+    trainer.engine.step = failing
+    try:
+        trainer.train_step([_batch(rank)])
+    except RuntimeError as err:
+        seen["error"] = str(err)
+    trainer.engine.step = step
+    restored = {"patched": [k for k in PATCHED if k in vars(opt)], "check": opt.check_grad_overflow,
+                "clip": opt.clip_grad}
+    trainer.close()
+    return seen, restored
+
+
+def test_deepspeeds_optimizer_is_restored_even_when_its_step_fails(ranks2, data_dir, tmp_path):
+    for seen, restored in ranks2.run(_dense_step_raises, data_dir, str(tmp_path)):
+        assert seen == {"patched": list(PATCHED), "check": True, "error": "injected failure inside DeepSpeed's step"}
+        assert restored == {"patched": [], "check": False, "clip": 1.0}
