@@ -9,7 +9,7 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.models import backbone_param
-from distsparse.optim.grad_buckets import ALIGN, bucket_layout, resolve_grad_accum_mode
+from distsparse.optim.grad_buckets import ALIGN, backward_order, bucket_layout, resolve_grad_accum_mode
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
 
@@ -37,7 +37,7 @@ def test_sharded_layout_is_greedy_under_the_byte_cap_in_backward_order(world_siz
     numel, owners = _random_model(world_size, world_size)
     cap = 4 * 30000
     layout = bucket_layout(numel, owners, world_size, bucket_bytes=cap)
-    assert [n for b in layout for n in b.names] == list(reversed(numel)), "every matrix once, in backward order"
+    assert [n for b in layout for n in b.names] == backward_order(numel), "every matrix once, in backward order"
     for i, bucket in enumerate(layout):
         _check_segments(bucket, numel, owners, world_size)
         assert 4 * bucket.numel <= cap or len(bucket.names) == 1, "over the cap only a matrix alone"
@@ -53,10 +53,29 @@ def test_full_layout_splits_by_count_and_pads_every_shard_to_the_largest_segment
     numel, owners = _random_model(0, 4)
     layout = bucket_layout(numel, owners, 4, num_buckets=3)
     assert [len(b.names) for b in layout] == [14, 14, 12]
-    assert [n for b in layout for n in b.names] == list(reversed(numel))
+    assert [n for b in layout for n in b.names] == backward_order(numel)
     for bucket in layout:
         _check_segments(bucket, numel, owners, 4)
         assert bucket.shard_size == max(bucket.segments)
+
+
+def test_backward_order_is_deepest_layer_first_then_llamas_projections_in_reverse_forward_order():
+    """The order hooks fire in a real LLaMA backward, recorded, against the order derived from the names."""
+    from distsparse.models import backbone_modules, backbone_param, build_model
+
+    cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row",
+                             "model.num_hidden_layers=12"])
+    model = build_model(cfg.model, cfg.method, 97, seed=0)
+    backbone = backbone_modules(model)
+    fired = []
+    for name, module in backbone.items():
+        backbone_param(module).register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    x = torch.randint(0, 97, (1, 8))
+    model(input_ids=x, labels=x).loss.backward()
+    assert list(backbone) != fired, "test setup: the modules come in name order, not in backward order"
+    assert backward_order(reversed(list(backbone))) == backward_order(backbone) == fired
+    assert backward_order(["b.2.x", "b.10.x", "k_proj", "b.2.up_proj", "b.2.q_proj", "a"]) == [
+        "b.10.x", "b.2.up_proj", "b.2.q_proj", "b.2.x", "k_proj", "a"]
 
 
 def test_layout_arguments_are_checked():

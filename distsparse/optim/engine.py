@@ -101,8 +101,7 @@ class MatrixEngine:
                  micro_batches: int = 1, num_buckets: int = 1, bucket_bytes: int = BUCKET_BYTES,
                  gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
                  force_collectives: bool = False):
-        """`modules`: the backbone in forward (module) order, the same on every rank (gradient buckets follow its
-        reverse). `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per optimizer step) choose how
+        """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per optimizer step) choose how
         gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets` sizes full mode's buckets,
         `bucket_bytes` caps sharded mode's."""
         if reset_mode not in RESET_MODES:

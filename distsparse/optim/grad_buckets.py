@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -61,6 +63,21 @@ def resolve_grad_accum_mode(mode: str, *, replicated: bool, world_size: int, mic
 
 
 # ---- layout (pure) -----------------------------------------------------------------------------------------------
+
+def backward_order(names) -> list[str]:
+    """The matrices in the order backward produces their gradients, from their names alone (so every rank and the
+    tools derive it whatever order the names come in): deepest layer first, numbers compared as numbers, and
+    within a layer LLaMA's projections in reverse forward order (down, up, gate, o, v, k, q); names without a
+    known projection come last within their layer, in reverse name order."""
+    from distsparse.models import PROJECTIONS   # here, not at the top: distsparse.models imports the config
+
+    def key(name: str) -> tuple:   # elements (kind, number, text): comparable across names of any shape
+        parts = re.split(r"(\d+)", name)
+        prefix = tuple((1, int(p), "") if p.isdigit() else (0, 0, p) for p in parts[:-1])
+        leaf = name.rsplit(".", 1)[-1]
+        return prefix + ((-1, PROJECTIONS.index(leaf) if leaf in PROJECTIONS else -1, parts[-1]),)
+    return sorted(names, key=key, reverse=True)
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -94,14 +111,13 @@ def _bucket(names: list[str], numel: dict[str, int], owners: dict[str, int], wor
 
 def bucket_layout(numel: dict[str, int], owners: dict[str, int], world_size: int, *, num_buckets: int | None = None,
                   bucket_bytes: int | None = None) -> list[Bucket]:
-    """The buckets, in backward order. `numel` lists the matrices in forward (module) order, the same on every rank;
-    backward produces their gradients roughly in reverse, so a bucket's reduce starts while backward still runs on
-    earlier layers. Give one of `num_buckets` (full mode: that many buckets of equal matrix count) or
-    `bucket_bytes` (sharded mode: a bucket closes before its fp32 staging would pass the cap; a matrix larger than
-    the cap is a bucket alone)."""
+    """The buckets, in backward order (`backward_order`), so a bucket's reduce starts while backward still runs on
+    earlier layers and, in sharded mode, about one bucket fills while the one before it reduces. Give one of
+    `num_buckets` (full mode: that many buckets of equal matrix count) or `bucket_bytes` (sharded mode: a bucket
+    closes before its fp32 staging would pass the cap; a matrix larger than the cap is a bucket alone)."""
     if (num_buckets is None) == (bucket_bytes is None):
         raise ValueError("bucket_layout: give exactly one of num_buckets (full mode) and bucket_bytes (sharded mode)")
-    names = list(reversed(numel))
+    names = backward_order(numel)
     groups: list[list[str]] = []
     if num_buckets is not None:
         if num_buckets < 1:
