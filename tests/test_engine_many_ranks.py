@@ -171,7 +171,8 @@ def _count_sent_bytes(world_size: int, log: list):
         return originals["reduce_scatter_tensor"](output, input, *a, **k)
 
     def reduce_scatter(output, inputs, *a, **k):   # uneven segments: a ring sends every segment but its own
-        log.append(("reduce", sum(t.numel() * t.element_size() for t in inputs) - output.numel() * output.element_size()))
+        sent = sum(t.numel() * t.element_size() for t in inputs) - output.numel() * output.element_size()
+        log.append(("reduce", sent))
         return originals["reduce_scatter"](output, inputs, *a, **k)
 
     def all_gather_into_tensor(output, input, *a, **k):

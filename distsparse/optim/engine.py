@@ -101,9 +101,9 @@ class MatrixEngine:
                  micro_batches: int = 1, num_buckets: int = 1, bucket_bytes: int = BUCKET_BYTES,
                  gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
                  force_collectives: bool = False):
-        """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per optimizer step) choose how
-        gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets` sizes full mode's buckets,
-        `bucket_bytes` caps sharded mode's."""
+        """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per
+        optimizer step) choose how gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets`
+        sizes full mode's buckets, `bucket_bytes` caps sharded mode's."""
         if reset_mode not in RESET_MODES:
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
         self.rule, self.hp = get_rule(rule), hparams
@@ -206,10 +206,6 @@ class MatrixEngine:
         """Mean over ranks of the step's gradients: owners hold theirs (sharded), or everyone all of them
         (replicated). Buckets already launched from the hooks are only waited for."""
         self.grads.reduce()
-
-    def grad(self, name: str) -> torch.Tensor:
-        """The reduced fp32 gradient of a matrix this rank updates, flat."""
-        return self.grads.grad(name)
 
     @property
     def grad_buffer(self) -> torch.Tensor:

@@ -18,20 +18,19 @@ micro-batch per step the two modes hold bitwise the same gradients wherever the 
 terms in the same order (always at W = 2); with k micro-batches sharded adds k reduced sums where full reduces one
 local sum (fp32 rounding, ~1e-7 relative).
 
-Choosing (`resolve_grad_accum_mode`, engine.grad_accum_mode=auto): one micro-batch per step sends the same bytes
-in the same number of reduces in either mode, so sharded (1/W of the gradient bytes) wins outright; with k > 1
-micro-batches sharded sends k x the reduce bytes, which pays for itself when it saves at least 3/4 of the
-gradient bytes (W > 2); at W = 2 it would save half for k x the traffic, and full stays. One process (nothing to
-shard) and replicated mode (every rank needs every gradient) use full.
+Choosing (`resolve_grad_accum_mode`, engine.grad_accum_mode=auto): with one micro-batch per step both modes send
+the same bytes in the same reduces, so sharded (1/W of the persistent gradient bytes) wins outright; with k > 1
+micro-batches sharded sends k x the reduce bytes, and is taken where that buys at least 2/3 of the gradient bytes
+(W > 2); at W = 2 it would buy half, and full stays. One process (nothing to shard) and replicated mode (every
+rank needs every gradient) use full.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import re
 
 import torch
 import torch.distributed as dist
@@ -385,7 +384,7 @@ class ShardedAccumulator:
         every rank alike, so nothing reaches the next step."""
         while self._in_flight:
             self._retire(keep=False)
-        for i, staging in enumerate(self._staging):
+        for staging in self._staging:
             if staging is not None:
                 self.transient.free(staging)
         self._staging, self._arrived = [None] * len(self.layout), [0] * len(self.layout)
