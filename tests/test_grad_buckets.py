@@ -131,7 +131,8 @@ def _train(rank, world_size, data_dir, out_dir, overrides):
     out = {"values": {n: backbone_param(m).detach().clone() for n, m in trainer.backbone.items()},
            "codes": {n: m.codes.clone() for n, m in trainer.backbone.items()},
            "dense": {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "embed" in n},
-           "mode": trainer.matrix.grad_accum_mode, "grad_bytes": trainer.matrix.grad_bytes()}
+           "mode": trainer.matrix.grad_accum_mode, "grad_bytes": trainer.matrix.grad_bytes(),
+           "buckets": len(trainer.matrix.grad_layout)}
     trainer.close()
     return out
 
@@ -148,6 +149,7 @@ def test_the_trainer_resumes_bit_for_bit_in_both_accumulation_modes(ranks2, data
     step2 = tmp_path / "whole" / "checkpoints" / "step00000002"
     resumed = ranks2.run(_train, data_dir, str(tmp_path / "resumed"), args + [f"checkpoint.resume={step2}"])
     assert whole[0]["mode"] == resumed[0]["mode"] == mode
+    assert whole[0]["buckets"] == (4 if mode == "full" else 14), "engine.num_buckets / engine.bucket_bytes"
     for part in ("values", "codes", "dense"):
         for name, value in whole[0][part].items():
             assert torch.equal(value, resumed[0][part][name]), (part, name)
