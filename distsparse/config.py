@@ -23,6 +23,7 @@ import yaml
 
 from distsparse.layers.dense_latent import LatentParams
 from distsparse.nm import NMSpec
+from distsparse.optim.grad_buckets import BUCKET_BYTES, GRAD_ACCUM_MODES
 from distsparse.optim.matrix_state import RESET_MODES
 from distsparse.optim.rules import RULES as RULE_REGISTRY
 from distsparse.topology import RefreshParams
@@ -265,13 +266,23 @@ class DataConfig:
 class EngineConfig:
     mode: str = "sharded"              # sharded (owners) | replicated (all-reduce, the oracle)
     reduce_dtype: str = "fp32"         # fp32 | bf16
-    num_buckets: int = 4               # > 1: each bucket's reduce-scatter overlaps the rest of the last backward
+    # full: a W x shard fp32 buffer per rank, one reduce per step; sharded: an accumulator of the rank's own
+    # gradients, one reduce per micro-batch; auto: sharded with one micro-batch per step or W > 2, else full
+    # (distsparse/optim/grad_buckets.py)
+    grad_accum_mode: str = "auto"
+    num_buckets: int = 4               # full mode: > 1 lets each bucket's reduce overlap the rest of the backward
+    bucket_bytes: int = BUCKET_BYTES   # sharded mode: the fp32 staging of one bucket, at most (a larger matrix alone)
     force_collectives: bool = False    # test-only: run the backbone collectives at world size 1 (GPU check)
 
     def __post_init__(self) -> None:
         _choice("engine.mode", self.mode, ("sharded", "replicated"))
         _positive("engine.num_buckets", self.num_buckets)
+        _positive("engine.bucket_bytes", self.bucket_bytes)
         _choice("engine.reduce_dtype", self.reduce_dtype, ("fp32", "bf16"))
+        _choice("engine.grad_accum_mode", self.grad_accum_mode, GRAD_ACCUM_MODES)
+        if self.mode == "replicated" and self.grad_accum_mode == "sharded":
+            raise ValueError("engine.grad_accum_mode: got 'sharded' with engine.mode 'replicated'; allowed: auto or "
+                             "full (replicated mode gives every rank every gradient)")
 
 
 @dataclass(kw_only=True)

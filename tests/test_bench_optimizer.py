@@ -94,7 +94,8 @@ def test_state_bytes_and_balance_equal_the_count_from_the_owner_map(payload):
     state = payload["backbone_state_bytes_per_rank"]
     own = owners(W)
     matrices = [sum(1 for r in own.values() if r == rank) for rank in range(W)]
-    # fp32 master, V and P per value; int64 tau and step per matrix; the fp32 gradient buffer [W * S] on each rank.
+    # fp32 master, V and P per value; int64 tau and step per matrix; full mode's fp32 gradient buffer [W * S] on
+    # each rank.
     total = sum(values(o, i) for _, o, i in SHAPES)
     expected_w2 = max(12 * v + 16 * m for v, m in zip(per_rank(W, values), matrices))
     assert state["W=1"] == 12 * total + 16 * len(SHAPES)
@@ -103,5 +104,9 @@ def test_state_bytes_and_balance_equal_the_count_from_the_owner_map(payload):
     assert state["grad_buffer_W=1"] == 4 * aligned(total)
     assert state["grad_buffer_W=2"] == 4 * W * aligned(max(per_rank(W, values)))
     assert state["with_grad_buffer_W=2"] == expected_w2 + state["grad_buffer_W=2"]
+    # Sharded accumulation: each rank's own gradients only (one bucket: the tiny backbone is under the byte cap).
+    assert state["grad_accumulator_W=2"] == 4 * max(aligned(v) for v in per_rank(W, values))
+    assert state["with_grad_accumulator_W=2_over_W=1"] == pytest.approx(
+        (expected_w2 + state["grad_accumulator_W=2"]) / (state["W=1"] + state["grad_buffer_W=1"]), rel=1e-12)
     loads = per_rank(W, cost)
     assert payload["ns_flops_max_over_mean_rank"] == pytest.approx(max(loads) / (sum(loads) / W), rel=1e-12)

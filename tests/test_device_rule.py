@@ -22,7 +22,7 @@ from distsparse.models import PROJECTIONS, build_model, projection_names
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "broadcast")
 
 
 @contextlib.contextmanager
@@ -34,7 +34,8 @@ def recorded_collectives(seen: list):
     def wrap(name):
         def call(*args, **kwargs):
             group = kwargs.get("group")
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]   # reduce_scatter takes a list of inputs
             for t in tensors:
                 assert t.device == ddist.comm_device(group), \
                     f"{name}: tensor on {t.device}, the process group's backend wants {ddist.comm_device(group)}"
@@ -111,9 +112,12 @@ def _tiny_backbone(layers: int = 1):
 
 
 def _engine_steps(rank, world_size, *, meta_default: bool, single_rank_group: bool = False,
-                  force_collectives: bool = False, steps: int = 3):
-    """Backward outside, then the engine's boundary (reduce, norm, finiteness, update, refresh, gather) with the
-    default device set to meta when asked; returns values, codes and the collectives seen."""
+                  force_collectives: bool = False, steps: int = 3, grad_accum_mode: str = "full"):
+    """Two micro-batches per step, then the engine's boundary (reduce, norm, finiteness, update, refresh, gather)
+    with the default device set to meta when asked. Backward runs outside it: autograd runs the hooks with torch
+    function modes off, so a meta default cannot reach them (their staging names its device; the recorded
+    collectives check the devices of the reduces they launch). Returns values, codes, the collectives seen, the
+    devices of what the engine holds and its accumulation mode."""
     import torch.distributed as dist
 
     from distsparse.optim.engine import MatrixEngine
@@ -126,49 +130,60 @@ def _engine_steps(rank, world_size, *, meta_default: bool, single_rank_group: bo
     singles = [dist.new_group([r]) for r in range(world_size)]   # every rank creates every group
     group = singles[rank] if single_rank_group else None
     engine = MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(lr=1e-2), group=group,
-                          device="cpu", force_collectives=force_collectives)
+                          device="cpu", force_collectives=force_collectives, grad_accum_mode=grad_accum_mode,
+                          micro_batches=2, bucket_bytes=4 * 4000)
     topology = TopologyPolicy(TopologyConfig(enabled=True, update_interval=2), total_steps=steps, seed=7)
     gen = torch.Generator().manual_seed(100 + (0 if single_rank_group else rank))
     seen: list = []
     for step in range(1, steps + 1):
         x = torch.randint(0, 97, (2, 12), generator=gen)
-        engine.start_boundary()
-        default = torch.device("meta") if meta_default else contextlib.nullcontext()
         with recorded_collectives(seen):
-            model(input_ids=x, labels=x).loss.backward()   # buckets launch their reduce from the hooks
-            with default:
+            for micro, part in enumerate(x.chunk(2)):
+                with torch.device("meta") if meta_default else contextlib.nullcontext():
+                    engine.start_boundary() if micro == 1 else engine.start_micro_step()
+                model(input_ids=part, labels=part).loss.backward()   # buckets launch their reduce from the hooks
+            with torch.device("meta") if meta_default else contextlib.nullcontext():
                 engine.reduce_gradients()
                 norm = float(engine.grad_sq_norm())
                 assert engine.grads_finite() and norm > 0
                 engine.step(1e-2, 0.5, refresh=topology.refresh_fn(step) if topology.due(step) else None)
                 engine.zero_grad()
-    placed = [*engine.masters.values(), *[b.buffer for b in engine.buckets],
+    placed = [*engine.masters.values(), *engine.grads.persistent(),
               *[t for s in engine.states.values() for t in s.values() if t.dim()]]
     return ({n: m.values.detach().clone() for n, m in backbone.items()},
-            {n: m.codes.clone() for n, m in backbone.items()}, seen, {t.device.type for t in placed})
+            {n: m.codes.clone() for n, m in backbone.items()}, seen, {t.device.type for t in placed},
+            engine.grad_accum_mode)
 
 
-def _meta_and_plain(rank, world_size):
-    return _engine_steps(rank, world_size, meta_default=True), _engine_steps(rank, world_size, meta_default=False)
+def _meta_and_plain(rank, world_size, grad_accum_mode):
+    return (_engine_steps(rank, world_size, meta_default=True, grad_accum_mode=grad_accum_mode),
+            _engine_steps(rank, world_size, meta_default=False, grad_accum_mode=grad_accum_mode))
 
 
-def test_engine_boundary_never_uses_the_default_device_and_hands_collectives_the_named_device(ranks2):
-    (meta0, plain0), (meta1, _) = ranks2.run(_meta_and_plain)
+@pytest.mark.parametrize("grad_accum_mode", ["full", "sharded"])
+def test_engine_never_uses_the_default_device_and_hands_collectives_the_named_device(ranks2, grad_accum_mode):
+    (meta0, plain0), (meta1, _) = ranks2.run(_meta_and_plain, grad_accum_mode)
+    assert meta0[4] == grad_accum_mode
     for name in plain0[0]:
         assert torch.equal(meta0[0][name], plain0[0][name]) and torch.equal(meta0[0][name], meta1[0][name]), name
         assert torch.equal(meta0[1][name], plain0[1][name]), name
     kinds = {name for name, _ in meta0[2]}
-    assert {"reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"} <= kinds
+    # full: one even reduce-scatter per bucket and step; sharded: uneven ones, per bucket and micro-batch
+    reduce = "reduce_scatter_tensor" if grad_accum_mode == "full" else "reduce_scatter"
+    assert {reduce, "all_reduce", "all_gather_into_tensor"} <= kinds
     assert meta0[3] == {"cpu"}
 
 
-def _forced(rank, world_size):
-    return (_engine_steps(rank, world_size, meta_default=False, single_rank_group=True, force_collectives=True),
-            _engine_steps(rank, world_size, meta_default=False, single_rank_group=True))
+def _forced(rank, world_size, grad_accum_mode):
+    return (_engine_steps(rank, world_size, meta_default=False, single_rank_group=True, force_collectives=True,
+                          grad_accum_mode=grad_accum_mode),
+            _engine_steps(rank, world_size, meta_default=False, single_rank_group=True,
+                          grad_accum_mode=grad_accum_mode))
 
 
-def test_forced_collectives_run_at_world_size_one_and_change_nothing(ranks2):
-    (forced, skipped), _ = ranks2.run(_forced)
+@pytest.mark.parametrize("grad_accum_mode", ["full", "sharded"])
+def test_forced_collectives_run_at_world_size_one_and_change_nothing(ranks2, grad_accum_mode):
+    (forced, skipped), _ = ranks2.run(_forced, grad_accum_mode)
     assert {name for name, _ in forced[2]} >= {"reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"}
     assert skipped[2] == [], "a world of one skips every collective unless forced"
     for name in forced[0]:
@@ -215,7 +230,7 @@ def _placed_trainer(rank, world_size, data_dir, out_dir, after_init: str):
     finally:
         deepspeed.initialize = real
     m = trainer.matrix
-    placed = [*m.masters.values(), *[b.buffer for b in m.buckets],
+    placed = [*m.masters.values(), *m.grads.persistent(),
               *[t for s in m.states.values() for t in s.values() if t.dim()]]
     fresh = backbone_modules(build_model(cfg.model, cfg.method, 97, cfg.train.seed))
     exact = all(torch.equal(master.cpu(), backbone_param(fresh[name]).detach().float())

@@ -1,4 +1,5 @@
-"""The matrix engine: owner maps, sharded == replicated, state moves on refresh (reset modes of paper Table A8)."""
+"""The matrix engine: owner maps, sharded == replicated in both gradient accumulation modes, k x 1 == 1 x k,
+exact resume, state moves on refresh (reset modes of paper Table A8)."""
 
 import torch
 
@@ -25,49 +26,72 @@ def _tiny(method: str, layers: int = 2):
     return cfg, model, backbone
 
 
-def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, num_buckets=1, gather_chunk=1 << 24,
-           reset_mode="changed"):
+def _steps(engine, model, rank, first, last, micro, topology, lr):
+    """Optimizer steps first..last: each a batch of 2 sequences (seeded by rank and step), in `micro`
+    micro-batches whose losses are scaled by 1 / micro (the mean over the batch, as DeepSpeed scales them)."""
+    for step in range(first, last + 1):
+        x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1000 * rank + step))
+        for i, part in enumerate(x.chunk(micro)):
+            engine.start_boundary() if i == micro - 1 else engine.start_micro_step()
+            (model(input_ids=part, labels=part).loss / micro).backward()
+            assert all(backbone_param(m).grad is None for m in engine.matrices.values() for m in [m.module])
+        engine.reduce_gradients()
+        engine.step(lr, refresh=topology.refresh_fn(step) if topology.due(step) else None)
+        engine.zero_grad()
+
+
+def _train(rank, world_size, method, mode, steps, layers=2, refresh_every=0, gather_chunk=1 << 24,
+           reset_mode="changed", micro=1, resume=None, total=None, **engine_args):
+    """Train to step `steps` (with `resume` = (saved, first): load a saved run and continue from step first) of a
+    schedule of `total` steps (default `steps`)."""
     torch.manual_seed(0)
     cfg, model, backbone = _tiny(method, layers)
     hp = get_rule(cfg.method.rule).hparams(lr=cfg.method.lr)
-    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode, num_buckets=num_buckets,
-                          gather_chunk=gather_chunk, reset_mode=reset_mode)
+    first = 1
+    if resume is not None:
+        saved, first = resume
+        for name, m in backbone.items():
+            backbone_param(m).data.copy_(saved["values"][name])
+            if name in saved["codes"]:
+                m.set_codes(saved["codes"][name])
+    engine = MatrixEngine(backbone, rule=cfg.method.rule, hparams=hp, mode=mode, gather_chunk=gather_chunk,
+                          reset_mode=reset_mode, micro_batches=micro, **engine_args)
+    if resume is not None:
+        engine.load_state_dict(saved["engine"])
     topology = TopologyPolicy(TopologyConfig(enabled=bool(refresh_every), update_interval=max(1, refresh_every)),
-                              total_steps=steps, seed=7)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for step in range(1, steps + 1):
-        x = torch.randint(0, 97, (2, 12), generator=gen)
-        engine.start_boundary()
-        model(input_ids=x, labels=x).loss.backward()
-        assert all(backbone_param(m).grad is None for m in backbone.values())
-        engine.reduce_gradients()
-        engine.step(cfg.method.lr, refresh=topology.refresh_fn(step) if topology.due(step) else None)
-        engine.zero_grad()
+                              total_steps=total or steps, seed=7)
+    _steps(engine, model, rank, first, steps, micro, topology, cfg.method.lr)
     values = {n: backbone_param(m).detach().clone() for n, m in backbone.items()}
     codes = {n: m.codes.clone() for n, m in backbone.items() if hasattr(m, "codes")}
-    return values, engine.owners, engine.state_bytes(), codes
+    return values, engine.owners, engine.state_bytes(), codes, engine.grad_accum_mode, engine.state_dict()
 
 
 def _run_modes(rank, world_size, method):
     return (_train(rank, world_size, method, "sharded", 20, 1, refresh_every=5),
             _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5),
-            _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, num_buckets=3,
-                   gather_chunk=4000),
+            _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, grad_accum_mode="full",
+                   num_buckets=3, gather_chunk=4000),
             _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, reset_mode="none"),
-            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5, reset_mode="none"))
+            _train(rank, world_size, method, "replicated", 20, 1, refresh_every=5, reset_mode="none"),
+            _train(rank, world_size, method, "sharded", 20, 1, refresh_every=5, grad_accum_mode="sharded",
+                   bucket_bytes=4 * 2000))
 
 
 def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
     for method in ("chtsnm_nobranch_1of4_row",):
-        (s0, r0, b0, n0, nr0), (s1, r1, b1, n1, _) = ranks2.run(_run_modes, method)
+        (s0, r0, b0, n0, nr0, t0), (s1, r1, b1, n1, _, t1) = ranks2.run(_run_modes, method)
+        assert (s0[4], b0[4], t0[4], r0[4]) == ("sharded", "full", "sharded", "full"), "auto: sharded at W = 2"
         assert s0[1] == s1[1], "owner maps differ between ranks"
         assert set(s0[1].values()) == {0, 1}
         for name in s0[0]:
             assert torch.equal(s0[0][name], s1[0][name]), f"{name}: ranks disagree"
             torch.testing.assert_close(s0[0][name], r0[0][name], rtol=0, atol=1e-6)
-            # Buckets reduced during backward (async), values gathered in chunks (4000: the last one is
-            # partial and holds both ranks' data) give the same result as one reduce and one gather.
+            # Full accumulation in 3 buckets reduced during the last backward (async), values gathered in chunks
+            # (4000: the last one is partial and holds both ranks' data), and sharded accumulation in one bucket or
+            # in buckets of about 2000 values (one reduce in flight while the next fills) hold bitwise the same
+            # gradients at W = 2 with one micro-batch, so they train to the same bits.
             assert torch.equal(s0[0][name], b0[0][name]) and torch.equal(b0[0][name], b1[0][name]), name
+            assert torch.equal(s0[0][name], t0[0][name]) and torch.equal(t0[0][name], t1[0][name]), name
         # Refreshes computed by owners (sharded) give the same masks as every rank computing all of them.
         for name in s0[3]:
             assert torch.equal(s0[3][name], s1[3][name]) and torch.equal(s0[3][name], r0[3][name]), name
@@ -81,9 +105,41 @@ def test_sharded_training_equals_replicated_on_two_ranks(ranks2):
 
 
 def test_one_rank_trains_without_collectives():
-    values, owners, _, _ = _train(0, 1, "chtsnm_nobranch_2of4_block", "sharded", 3)
+    values, owners, _, _, accum, _ = _train(0, 1, "chtsnm_nobranch_2of4_block", "sharded", 3)
+    assert accum == "full", "auto: nothing to shard in a world of one"
     assert set(owners.values()) == {0}
     assert all(torch.isfinite(v).all() for v in values.values())
+
+
+def _micro_batches_and_resume(rank, world_size, accum):
+    method, args = "chtsnm_nobranch_1of4_row", {"refresh_every": 2, "grad_accum_mode": accum, "bucket_bytes": 4 * 2000}
+    whole = _train(rank, world_size, method, "sharded", 6, 1, micro=2, **args)
+    one_micro = _train(rank, world_size, method, "sharded", 6, 1, micro=1, **args)
+    first = _train(rank, world_size, method, "sharded", 3, 1, micro=2, total=6, **args)
+    saved = {"values": first[0], "codes": first[3], "engine": first[5]}
+    resumed = _train(rank, world_size, method, "sharded", 6, 1, micro=2, resume=(saved, 4), **args)
+    replicated = _train(rank, world_size, method, "replicated", 6, 1, micro=2, refresh_every=2)
+    return whole, one_micro, resumed, replicated
+
+
+def test_both_accumulation_modes_with_two_micro_batches_resume_exactly_and_match_one_micro_batch(ranks2):
+    runs = {accum: ranks2.run(_micro_batches_and_resume, accum) for accum in ("full", "sharded")}
+    for accum, ((whole, one_micro, resumed, replicated), (whole1, *_)) in runs.items():
+        assert whole[4] == accum and replicated[4] == "full"
+        for name, value in whole[0].items():
+            assert torch.equal(value, whole1[0][name]), f"{accum} {name}: ranks disagree"
+            # Exact resume: a run saved after step 3 and continued is bit-identical to the one that went on.
+            assert torch.equal(value, resumed[0][name]), f"{accum} {name}: resume is not exact"
+            assert torch.equal(whole[3].get(name, value), resumed[3].get(name, value)), f"{accum} {name}: codes"
+            torch.testing.assert_close(value, replicated[0][name], rtol=0, atol=1e-6,
+                                       msg=f"{accum} {name}: sharded != replicated")
+            # k x 1 == 1 x k: two micro-batches of one sequence train like one micro-batch of two.
+            torch.testing.assert_close(value, one_micro[0][name], rtol=0, atol=1e-6,
+                                       msg=f"{accum} {name}: 2 micro-batches != 1")
+    full, sharded = runs["full"][0][0], runs["sharded"][0][0]
+    for name, value in full[0].items():   # the modes sum micro-batches and ranks in different orders
+        torch.testing.assert_close(sharded[0][name], value, rtol=0, atol=1e-6, msg=f"{name}: sharded != full")
+    assert sharded[2] < full[2], "sharded accumulation holds fewer gradient bytes"
 
 
 def test_lpt_owner_map_is_deterministic_and_balanced():

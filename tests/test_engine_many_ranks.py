@@ -1,7 +1,8 @@
 """The matrix engine beyond two ranks: W = 4 on the 7 matrices of one tiny LLaMA layer, and W = 8 (more ranks
-than matrices, so one rank owns nothing). Sharded training stays identical on every rank, equals replicated
-training and equals a single-process reference that applies the update rule to the mean gradient; the byte count
-the engine reports equals the bytes its collectives actually send.
+than matrices, so one rank owns nothing). Sharded training, with either gradient accumulation mode, stays identical
+on every rank, equals replicated training and equals a single-process reference that applies the update rule to the
+mean gradient; the byte count the engine reports equals the bytes its collectives actually send, and the gradient
+bytes it holds equal the layout's count (grad_buckets.grad_bytes).
 
 The workers hold a plain module of NMSparseLinear layers with the tiny model's projection shapes (hidden 64,
 FFN 176) rather than a LlamaForCausalLM, so they never import transformers. One pool of 8 gloo ranks serves both
@@ -61,10 +62,14 @@ def values_of(model: OneLayer) -> dict[str, torch.Tensor]:
     return {name: m.values.detach().clone() for name, m in model.modules_by_name().items()}
 
 
-def train(mode: str, rule: str, group=None) -> dict:
+# Sharded accumulation with buckets of a few matrices (the largest, 2816 values, is alone in its bucket).
+SMALL_BUCKETS = 4 * 4096
+
+
+def train(mode: str, rule: str, group=None, grad_accum_mode: str = "auto") -> dict:
     model = OneLayer()
     engine = MatrixEngine(model.modules_by_name(), rule=rule, hparams=get_rule(rule).hparams(**HPARAMS[rule]),
-                          mode=mode, group=group)
+                          mode=mode, group=group, grad_accum_mode=grad_accum_mode, bucket_bytes=SMALL_BUCKETS)
     for step in range(STEPS):
         model(batch(step, engine.rank)).backward()
         assert all(m.values.grad is None for m in model.modules_by_name().values()), "hooks must take the grads"
@@ -72,7 +77,8 @@ def train(mode: str, rule: str, group=None) -> dict:
         engine.step(LR[rule])
         engine.zero_grad()
     return {"values": values_of(model), "owners": engine.owners, "owned": [m.name for m in engine.owned()],
-            "state_bytes": engine.state_bytes()}
+            "state_bytes": engine.state_bytes(), "accum": engine.grad_accum_mode, "grad_bytes": engine.grad_bytes(),
+            "expected_grad_bytes": engine.expected_grad_bytes(), "buckets": len(engine.grad_layout)}
 
 
 def reference(world_size: int, rule: str) -> dict[str, torch.Tensor]:
@@ -101,7 +107,8 @@ def _both_modes(rank, world_size, size, rule):
     group = dist.new_group(list(range(size))) if size < world_size else None
     if rank >= size:
         return None
-    return train("sharded", rule, group), train("replicated", rule, group)
+    return (train("sharded", rule, group, "sharded"), train("replicated", rule, group),
+            train("sharded", rule, group, "full"))
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +123,26 @@ def check_training(results, size, rule):
     results = results[:size]
     sharded0 = results[0][0]
     expected = reference(size, rule)
-    for r, (sharded, replicated) in enumerate(results):
+    for r, (sharded, replicated, full) in enumerate(results):
+        assert (sharded["accum"], full["accum"], replicated["accum"]) == ("sharded", "full", "full")
+        assert sharded["buckets"] > 2, "test setup: several buckets, so reduces overlap and wait on each other"
         assert sharded["owners"] == sharded0["owners"], f"rank {r}: owner map differs from rank 0"
         assert sorted(sharded["owned"]) == sorted(n for n, o in sharded0["owners"].items() if o == r)
         for name, value in sharded["values"].items():
             assert torch.equal(value, sharded0["values"][name]), f"rank {r} {name}: ranks disagree"
-            torch.testing.assert_close(value, replicated["values"][name], rtol=0, atol=1e-6,
-                                       msg=f"rank {r} {name}: sharded != replicated")
+            assert torch.equal(full["values"][name], results[0][2]["values"][name]), f"rank {r} {name}: full"
+            # Uneven and even reduce-scatters may add the W terms in different orders: equal within rounding.
+            for other, label in ((replicated, "replicated"), (full, "full accumulation")):
+                torch.testing.assert_close(value, other["values"][name], rtol=0, atol=1e-6,
+                                           msg=f"rank {r} {name}: sharded accumulation != {label}")
+        for run in (sharded, full):   # the bytes held equal the layout's count (gradients arrive in layout order)
+            assert run["grad_bytes"] == run["expected_grad_bytes"], (r, run["accum"])
+        assert sharded["grad_bytes"]["persistent"] < full["grad_bytes"]["persistent"] / (size - 1)
     for name, value in sharded0["values"].items():
         torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-6,
                                    msg=f"{name}: engine != reference")
         assert not torch.equal(value, OneLayer().modules_by_name()[name].values.detach()), f"{name} did not train"
-    return [sharded for sharded, _ in results]
+    return [sharded for sharded, _, _ in results]
 
 
 def test_four_ranks_share_the_seven_matrices_and_train_like_one_process(ranks8):
@@ -148,11 +163,17 @@ def test_eight_ranks_leave_one_idle_owner_and_still_agree(ranks8):
 
 def _count_sent_bytes(world_size: int, log: list):
     """Wrap the collectives the engine calls; record what a ring algorithm makes this rank send."""
-    originals = {n: getattr(dist, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce")}
+    originals = {n: getattr(dist, n) for n in ("reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor",
+                                               "all_reduce")}
 
     def reduce_scatter_tensor(output, input, *a, **k):
         log.append(("reduce", (world_size - 1) * output.numel() * output.element_size()))
         return originals["reduce_scatter_tensor"](output, input, *a, **k)
+
+    def reduce_scatter(output, inputs, *a, **k):   # uneven segments: a ring sends every segment but its own
+        sent = sum(t.numel() * t.element_size() for t in inputs) - output.numel() * output.element_size()
+        log.append(("reduce", sent))
+        return originals["reduce_scatter"](output, inputs, *a, **k)
 
     def all_gather_into_tensor(output, input, *a, **k):
         kind = "codes" if input.dtype == torch.uint8 else "values"
@@ -164,7 +185,7 @@ def _count_sent_bytes(world_size: int, log: list):
         log.append((kind, 2 * (world_size - 1) / world_size * tensor.numel() * tensor.element_size()))
         return originals["all_reduce"](tensor, *a, **k)
 
-    for name, fn in (("reduce_scatter_tensor", reduce_scatter_tensor),
+    for name, fn in (("reduce_scatter_tensor", reduce_scatter_tensor), ("reduce_scatter", reduce_scatter),
                      ("all_gather_into_tensor", all_gather_into_tensor), ("all_reduce", all_reduce)):
         setattr(dist, name, fn)
     return originals
@@ -177,19 +198,22 @@ def _new_pattern(name: str, master: torch.Tensor, meta: NMMeta) -> RefreshResult
     return RefreshResult(new, slots, move_slots(master, slots), {})
 
 
-def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype):
+def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype, accum, micro_batches):
     group = dist.new_group(list(range(size))) if size < world_size else None
     if rank >= size:
         return None
     model = OneLayer().to(dtype)
     engine = MatrixEngine(model.modules_by_name(), rule="tans", hparams=get_rule("tans").hparams(), mode=mode,
-                          reduce_dtype=reduce_dtype, group=group)
+                          reduce_dtype=reduce_dtype, group=group, grad_accum_mode=accum, micro_batches=micro_batches,
+                          bucket_bytes=SMALL_BUCKETS)
     per_step = []
     for refresh in (None, _new_pattern):
-        model(batch(0, rank).to(dtype)).backward()
         log = []
         originals = _count_sent_bytes(size, log)
-        try:   # the engine's part of a step: reduce, update and gather (the step's scalars are the joint step's)
+        try:   # the engine's part of a step: backward (sharded accumulation reduces there), reduce, update and
+            for micro in range(micro_batches):   # gather (the step's scalars are the joint step's)
+                engine.start_boundary() if micro == micro_batches - 1 else engine.start_micro_step()
+                model(batch(micro, rank).to(dtype)).backward()
             engine.reduce_gradients()
             engine.step(1e-3, refresh=refresh)
         finally:
@@ -204,10 +228,12 @@ def _measured_bytes(rank, world_size, size, mode, reduce_dtype, dtype):
     return per_step, engine.comm_bytes_per_step(None), engine.comm_bytes_per_step(1), codes
 
 
-@pytest.mark.parametrize("mode,reduce_dtype,dtype", [("sharded", "fp32", torch.bfloat16),
-                                                     ("replicated", "bf16", torch.float32)])
-def test_reported_bytes_per_step_equal_the_bytes_the_collectives_send(ranks8, mode, reduce_dtype, dtype):
-    results = ranks8.run(_measured_bytes, 4, mode, reduce_dtype, dtype)[:4]
+@pytest.mark.parametrize("mode,reduce_dtype,dtype,accum,micro_batches", [
+    ("sharded", "fp32", torch.bfloat16, "full", 1), ("sharded", "bf16", torch.bfloat16, "sharded", 2),
+    ("replicated", "bf16", torch.float32, "full", 1)])
+def test_reported_bytes_per_step_equal_the_bytes_the_collectives_send(ranks8, mode, reduce_dtype, dtype, accum,
+                                                                      micro_batches):
+    results = ranks8.run(_measured_bytes, 4, mode, reduce_dtype, dtype, accum, micro_batches)[:4]
     for r, ((plain, refreshed), no_refresh, every_step, codes) in enumerate(results):
         for kind in ("reduce", "values", "codes"):
             assert no_refresh[kind] == pytest.approx(plain.get(kind, 0.0), rel=1e-12), (r, kind)
@@ -217,7 +243,14 @@ def test_reported_bytes_per_step_equal_the_bytes_the_collectives_send(ranks8, mo
             assert torch.equal(c, results[0][3][name]), f"rank {r} {name}: codes differ after the refresh"
     if mode == "sharded":
         assert results[0][2]["codes"] > 0 and results[0][1]["values"] > 0
+    if accum == "full" and mode == "sharded":
         assert results[0][1]["reduce"] == 2 * results[0][1]["values"], "fp32 gradients out, bf16 values back"
+    if accum == "sharded":
+        # Per micro-batch every value crosses the wire once from each rank but its owner, in bf16; segments are
+        # padded to 128 values (at most one padded segment per rank and matrix).
+        values = sum(o * i // 4 for i, o in SHAPES.values())
+        sent = sum(r[1]["reduce"] for r in results)
+        assert micro_batches * 3 * values * 2 <= sent <= micro_batches * 3 * (values + 4 * 7 * 127) * 2
 
 
 def test_refresh_interval_must_be_a_positive_integer():

@@ -27,11 +27,14 @@ Bytes (per rank per optimizer step, `MatrixEngine.comm_bytes_per_step` plus the 
 `JointOptimizer.scalar_bytes_per_step`: ring algorithms, padding included, code all-gathers amortized over the
 method's update_interval) are those of bf16 training (fp32 reduce-scatter, bf16
 value all-gather, the engine's defaults on GPU), over the bytes a ring all-reduce of the same matrices' dense
-gradients sends in bf16 and in fp32: 2 (W-1)/W x numel x bytes. State bytes are the TANS engine's optimizer state
-(fp32 masters, V, P and counters: `MatrixEngine.state_bytes()` minus its fp32 gradient buffer) at W = 1 (a one-rank
-group) and W = 2 (the larger of the two ranks); the gradient buffer, a full [W * S] copy on every rank, is reported
-beside it (`grad_buffer_*`, `with_grad_buffer_*`). `ns_flops_max_over_mean_rank` is the LPT load balance of the owner map under
-`matrix_cost` at W = 2; the table adds W = 4 and 8.
+gradients sends in bf16 and in fp32: 2 (W-1)/W x numel x bytes. The engines here accumulate gradients in full mode
+(`engine.grad_accum_mode=full`: the benchmark fills their [W * S] buffer directly, as the hooks would), so the
+reduce is one reduce-scatter of equal shards per step. State bytes are the TANS engine's optimizer state
+(fp32 masters, V, P and counters: `MatrixEngine.state_bytes()` minus its fp32 gradients) at W = 1 (a one-rank
+group) and W = 2 (the larger of the two ranks); the full-mode gradient buffer, a [W * S] copy on every rank, is
+reported beside it (`grad_buffer_*`, `with_grad_buffer_*`), and so is sharded mode's accumulator of the rank's own
+gradients (`grad_accumulator_W=2`, `with_grad_accumulator_*`). `ns_flops_max_over_mean_rank` is the LPT load balance
+of the owner map under `matrix_cost` at W = 2; the table adds W = 4 and 8.
 
     python tools/bench_optimizer.py --json out.json                 # 60m shapes, vocab 32000, 1:4 row-wise
     python tools/bench_optimizer.py --model 130m --json out.json
@@ -224,7 +227,8 @@ class _Rank:
             model=self.sparse, model_parameters=groups,
             config=build_ds_config(ROOT / "configs/ds/zero2.json", self.cfg_sparse))
         self.side_grads = _synthetic_grads(self.side_params, 20 + self.rank)
-        self.tans_sharded = MatrixEngine(self.backbone, rule="tans", hparams=self.tans_hp, mode="sharded")
+        self.tans_sharded = MatrixEngine(self.backbone, rule="tans", hparams=self.tans_hp, mode="sharded",
+                                         grad_accum_mode="full")
         self.buffer = _synthetic_grads([self.tans_sharded.grad_buffer], 30 + self.rank)[0]
 
     def full_step(self, matrix, lr: float) -> Callable[[], None]:
@@ -270,14 +274,14 @@ class _Rank:
         self.log("TANS replicated and sparse Muon, full steps")
         times["tans_replicated"] = self.time(self.full_step(replicated, hp.lr))
         del replicated
-        muon = MatrixEngine(backbone, rule="muon", hparams=self.muon_hp, mode="sharded")
+        muon = MatrixEngine(backbone, rule="muon", hparams=self.muon_hp, mode="sharded", grad_accum_mode="full")
         times["sparse_muon"] = self.time(self.full_step(muon, self.muon_hp.lr))
         del muon
 
         # Bytes of bf16 training: bf16 values gathered, fp32 reduce-scatter (the engine's default).
         interval = self.cfg_sparse.method.topology.update_interval
         bf16 = MatrixEngine({n: copy.deepcopy(m).to(torch.bfloat16) for n, m in backbone.items()},
-                            rule="tans", hparams=hp, mode="sharded")
+                            rule="tans", hparams=hp, mode="sharded", grad_accum_mode="full")
         sent = bf16.comm_bytes_per_step(interval)
         del bf16
         scalars = JointOptimizer.scalar_bytes_per_step(WORLD_SIZE)   # the step's one all-reduce
@@ -290,9 +294,13 @@ class _Rank:
         # [W * S] is a full copy on every rank (each accumulates its own gradients before the reduce-scatter),
         # so it is reported next to it, and the ratio with it included as well.
         singles = [dist.new_group([r]) for r in range(WORLD_SIZE)]
-        one = MatrixEngine(backbone, rule="tans", hparams=hp, mode="sharded", group=singles[self.rank])
+        one = MatrixEngine(backbone, rule="tans", hparams=hp, mode="sharded", group=singles[self.rank],
+                           grad_accum_mode="full")
         buffers = {"W=1": one.grad_buffer.untyped_storage().nbytes(),
                    "W=2": sharded.grad_buffer.untyped_storage().nbytes()}
+        own = MatrixEngine(backbone, rule="tans", hparams=hp, mode="sharded", grad_accum_mode="sharded")
+        accumulator = int(dist_max(own.grad_bytes()["persistent"]))
+        del own
         with_buffer = {"W=1": one.state_bytes(), "W=2": int(dist_max(sharded.state_bytes()))}
         state = {"W=1": with_buffer["W=1"] - buffers["W=1"],
                  "W=2": int(dist_max(sharded.state_bytes() - buffers["W=2"]))}
@@ -300,6 +308,8 @@ class _Rank:
         state.update({f"grad_buffer_{w}": b for w, b in buffers.items()})
         state.update({f"with_grad_buffer_{w}": b for w, b in with_buffer.items()})
         state["with_grad_buffer_W=2_over_W=1"] = with_buffer["W=2"] / with_buffer["W=1"]
+        state["grad_accumulator_W=2"] = accumulator
+        state["with_grad_accumulator_W=2_over_W=1"] = (state["W=2"] + accumulator) / with_buffer["W=1"]
 
         balance = {}
         for w in (WORLD_SIZE, 4, 8):
@@ -395,8 +405,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "bytes",
         "update_interval": extra["update_interval"], "backbone_matrices": extra["matrices"],
         "backbone_values": extra["values"], "backbone_dense_numel": extra["dense_numel"],
-        "shard_size": extra["shard_size"], "state_bytes": "optimizer state: MatrixEngine.state_bytes() (fp32 masters, rule state, grad buffer) minus the "
-                       "fp32 gradient buffer, which is reported separately and in the with_grad_buffer_ figures",
+        "shard_size": extra["shard_size"],
+        "state_bytes": "optimizer state: MatrixEngine.state_bytes() (fp32 masters, rule state, gradients) minus the "
+                       "fp32 gradients, reported separately: full mode's buffer (grad_buffer_, with_grad_buffer_) "
+                       "and sharded mode's accumulator (grad_accumulator_, with_grad_accumulator_)",
+        "grad_accum_mode": "full (the buffer is filled directly); the accumulator figures from a sharded-mode engine",
         "targets": TARGETS,
         "load_average_1_5_15_min": {"start": load_start, "end": os.getloadavg()},
     }
@@ -420,6 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows.append(["state + grad buffer W=2 / W=1", state["with_grad_buffer_W=2_over_W=1"], "", ""])
     rows.append(["grad buffer W=1 / W=2 (MiB)",
                  f"{state['grad_buffer_W=1'] / 2**20:.1f} / {state['grad_buffer_W=2'] / 2**20:.1f}", "", ""])
+    rows.append(["state + grad accumulator W=2 / W=1", state["with_grad_accumulator_W=2_over_W=1"], "", ""])
     rows.append(["sent/rank/step bf16 (MiB): reduce+values+codes+scalars",
                  (f"{sent['reduce'] / 2**20:.2f}+{sent['values'] / 2**20:.2f}+{sent['codes'] / 2**20:.4f}"
                   f"+{sent['scalars']:.0f}B"), "", ""])

@@ -1,13 +1,17 @@
-"""Scale check (issue 9 item 5; DESIGN decision 16): a 1:4 CHTsNM model built on the meta device trains a few
-steps on 2 CPU ranks, and this reports peak memory and model-state bytes per rank by part, next to the same
-accounting for dense AdamW under ZeRO-2. Run by hand, not in CI (a 1B step takes minutes on 2 cores):
+"""Scale check (issue 9 item 5, issue 19 item 3; DESIGN decision 16): a 1:4 CHTsNM model built on the meta device
+trains a few steps on 2 CPU ranks, and this reports peak memory and model-state bytes per rank by part, next to the
+same accounting for dense AdamW under ZeRO-2; then, from the engine's own layout rules, the backbone's bytes per
+rank at W = 2, 8, 64 and 512 for 350m and 1b in both gradient accumulation modes. Run by hand, not in CI (a 1B
+step takes minutes on 2 cores):
 
     python tools/scale_check.py --model 1b --json out.json      # or 350m; --model tiny is the test suite's run
 
 The run: `chtsnm_nobranch_1of4_row` (TANS backbone, CHTs refresh), sequence 256, micro-batch 1 per rank,
 3 optimizer steps with `method.topology.update_interval=2`, so step 2 refreshes every mask; configs/ds/zero2.json
 with 5e7-element buckets, fp32 on CPU, vocab 32000 (synthetic tokens), `model.meta_device_init=true`,
-`model.activation_checkpointing=true`, `engine.num_buckets=8`.
+`model.activation_checkpointing=true`, `engine.grad_accum_mode` from --grad-accum-mode (default auto: sharded at
+W = 2 with one micro-batch), `engine.num_buckets=1` (full mode's least padding), the default
+`engine.bucket_bytes` (sharded mode).
 
 Bytes per rank (DESIGN s6: sums of `untyped_storage().nbytes()` over deduplicated tensors), read at the last step
 after backward and before the optimizer step, when gradients are held too:
@@ -21,20 +25,30 @@ after backward and before the optimizer step, when gradients are held too:
     codes              the packed pattern codes (uint8) -- persistent metadata
     index_cache        tensors an NMSparseLinear keeps besides values and codes (none: since issue 19 the flat index
                        is derived from the codes per call, a transient)
-    optimizer_state    masters and rule state of the owned matrices (`matrix.state_bytes()` less the buffer)
-    grad_buffer        the fp32 flat gradient buffer [W x shard] (every rank holds all of it)
-Not counted (transient, but part of the peak): DeepSpeed's ZeRO-2 reduce bucket (`reduce_bucket_size` elements,
-allocated with torch.empty and touched only up to the dense side's size), the matrix engine's value all-gather
-staging (send [chunk] and receive [W x chunk] in the values' dtype, chunk <= 2^24 elements, allocated every step),
-the reduce-scatter's output shard of each bucket, and activations.
+    optimizer_state    masters and rule state of the owned matrices (`matrix.state_bytes()` less the gradients)
+    grad_buffer        the persistent fp32 gradients: full mode's W x shard buffer (every rank holds every
+                       gradient) or sharded mode's accumulator of the rank's own matrices
+Reported beside them, not in the sums: `grad_transient_peak`, the most the engine's gradient staging, wire copies
+and reduce outputs held at once during the run (`MatrixEngine.grad_bytes()`). Not counted (transient, but part of
+the peak): DeepSpeed's ZeRO-2 reduce bucket (`reduce_bucket_size` elements, allocated with torch.empty and touched
+only up to the dense side's size), the matrix engine's value all-gather staging (send [chunk] and receive
+[W x chunk] in the values' dtype, chunk <= 2^24 elements, allocated every step), buffers inside the collectives
+and activations.
 
 Dense AdamW under ZeRO-2 is the project's `dense_adamw` method under the same DeepSpeed config and the same
 accounting: the same dense side (identical parameters), dense backbone weights, AdamW masters and moments of the
-owned matrices (LPT owner map, as the engine computes it), and the fp32 gradient buffer. It is computed
-analytically from the layer shapes (a dense 1B run does not fit two ranks on 24 GiB); `--measure-dense` (implied by
---model tiny) also trains it for real through the same accounting, after the sparse run in the same rank processes
-(so its peak memory is not reported), and the analytic numbers are checked against it. The
+owned matrices (LPT owner map, as the engine computes it), and the gradients of the same accumulation mode. It is
+computed analytically from the layer shapes (a dense 1B run does not fit two ranks on 24 GiB); `--measure-dense`
+(implied by --model tiny) also trains it for real through the same accounting, after the sparse run in the same
+rank processes (so its peak memory is not reported), and the analytic numbers are checked against it. The
 classic all-in-DeepSpeed ZeRO-2 figure (module + (4 + 8 + 4) bytes x params / W) is given as a second reference.
+
+Analytic backbone bytes (`backbone_analytic`): the shapes of a preset from its config alone, owners by the engine's
+LPT (`assign_owners` on `matrix_cost`), the gradient layout by the engine's `bucket_layout` and its bytes by
+`grad_buckets.grad_bytes` (the transient peak assuming gradients arrive in layout order, as LLaMA's backward
+delivers them), rule state by `init_state`; the largest rank is reported. At the measured W they are checked
+against the measured parts, part by part (the test suite does so at tiny). Values are fp32 as in the CPU run
+(bf16 training halves them).
 
 Peak memory per rank: VmHWM of /proc/self/status (the high-water mark of the rank's own memory image; not
 ru_maxrss, which a spawned child inherits from its parent), read at the end of the run. The peak is reset
@@ -62,6 +76,10 @@ from benchlib import add_json_arg, machine_info, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("tiny", "350m", "1b")
+ANALYTIC_MODELS = ("350m", "1b")
+WORLD_SIZES = (2, 8, 64, 512)      # analytic: the measured W and beyond
+ACCUM_CHOICES = ("auto", "full", "sharded")
+ACCUM_MODES = ("full", "sharded")
 METHOD = "chtsnm_nobranch_1of4_row"
 DENSE_METHOD = "dense_adamw"
 VOCAB = 32000
@@ -70,17 +88,19 @@ STEPS = 3
 UPDATE_INTERVAL = 2
 SEQ_LEN = 256
 MICRO_BATCH = 1
-# What a user fitting 1b on two ranks of 24 GiB sets (DeepSpeed's default 5e8-element buckets are sized for GPUs;
-# eight engine buckets keep the reduce-scatter's staging at an eighth of the gradient buffer).
-NUM_BUCKETS = 8
-MEMORY_OVERRIDES = ("model.activation_checkpointing=true", f"engine.num_buckets={NUM_BUCKETS}")
+# What a user fitting 1b on two ranks of 24 GiB sets (DeepSpeed's default 5e8-element buckets are sized for GPUs).
+# Full mode pads every rank's shard of a bucket to the largest, so one bucket holds the fewest bytes (at W = 64
+# eight buckets would hold 4x more); the measured and the analytic full mode both use it.
+FULL_NUM_BUCKETS = 1
+MEMORY_OVERRIDES = ("model.activation_checkpointing=true", f"engine.num_buckets={FULL_NUM_BUCKETS}")
 DS_BUCKET_ELEMENTS = 50_000_000
 # glibc raises its mmap threshold (up to 32 MiB) after each large free, so the many 10-45 MiB per-matrix
 # temporaries of a refresh land in the heap and stay resident after being freed; a fixed 1 MiB threshold returns
 # every large tensor to the system when it dies (mallopt(3), M_MMAP_THRESHOLD). The command line sets it for the
 # ranks it spawns.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-TARGET = 0.35                      # issue 9: backbone_state_bytes_over_dense_adamw <= 0.35
+TARGET = 0.26                      # issue 19: backbone_state_bytes_over_dense_adamw <= 0.26
+GRAD_TARGET_W, GRAD_TARGET = 64, 1 / 32   # issue 19: gradient bytes per rank at W = 64, sharded / full
 DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
 BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
 
@@ -92,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, choices=MODELS, help="model preset (tiny: the test suite's run)")
     p.add_argument("--measure-dense", action="store_true",
                    help="also train dense_adamw for real and measure it (implied by --model tiny)")
+    p.add_argument("--grad-accum-mode", default="auto", choices=ACCUM_CHOICES,
+                   help="engine.grad_accum_mode of the measured runs (default auto: sharded at W = 2)")
     args = p.parse_args(argv)
     args.vocab = QUICK_VOCAB if args.model == "tiny" else VOCAB
     args.measure_dense = args.measure_dense or args.model == "tiny"
@@ -135,33 +157,98 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
     modules = trainer.backbone.values()
     sparse = [m for m in modules if isinstance(m, NMSparseLinear)]
     matrix = trainer.matrix
-    buffers = [b.buffer for b in matrix.buckets]
-    grad_buffer = storage_bytes(buffers, set())
+    grads = matrix.grads.persistent()
     return {"values": storage_bytes((backbone_param(m) for m in modules), seen),
             "codes": storage_bytes((m.codes for m in sparse), seen),
             "index_cache": storage_bytes((t for m in sparse for t in vars(m).values() if isinstance(t, torch.Tensor)),
                                          seen),
-            "optimizer_state": matrix.state_bytes() - grad_buffer,
-            "grad_buffer": storage_bytes(buffers, seen)}
+            "optimizer_state": matrix.state_bytes() - storage_bytes(grads, set()),
+            "grad_buffer": storage_bytes(grads, seen)}
 
 
-def dense_adamw_backbone_analytic(shapes: dict[str, tuple[int, int]], world_size: int, rank: int,
-                                  num_buckets: int, dtype_bytes: int = 4) -> dict[str, int]:
-    """The dense_adamw backbone's bytes on `rank`, from the layer shapes: dense weights on every rank; fp32 master,
-    exp_avg and exp_avg_sq plus an int64 step counter per matrix LPT assigns to `rank`; the fp32 gradient buffers
-    of the engine's bucket layout, W aligned shards each."""
-    from distsparse.optim.engine import bucket_layout
+def backbone_matrices(model: str, method: str = METHOD) -> dict[str, dict[str, Any]]:
+    """The backbone of a model preset under `method`, from the config alone (nothing is built): name -> dense frame
+    (out, in), backbone parameter shape and code bytes."""
+    from distsparse.config import load_config
+    from distsparse.models import PROJECTIONS
+    from distsparse.nm import codes_shape
+
+    cfg = load_config(None, [f"model.preset={model}", f"method.preset={method}"])
+    h, f, spec = cfg.model.hidden_size, cfg.model.ffn_width, cfg.method.spec
+    frames = {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
+    matrices = {}
+    for layer in range(cfg.model.num_hidden_layers):
+        for proj in PROJECTIONS:
+            out_f, in_f = frames.get(proj, (h, h))
+            block = "mlp" if proj in frames else "self_attn"
+            matrices[f"model.layers.{layer}.{block}.{proj}"] = {
+                "frame": (out_f, in_f), "param": (out_f, spec.kept_per_row(in_f)) if spec else (out_f, in_f),
+                "codes": math.prod(codes_shape(spec, out_f, in_f)) if spec else 0}
+    return matrices
+
+
+def dense_matrices(matrices: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The same frames as dense weights (dense AdamW's backbone)."""
+    return {name: {"frame": m["frame"], "param": m["frame"], "codes": 0} for name, m in matrices.items()}
+
+
+def backbone_analytic(matrices: dict[str, dict[str, Any]], method: str, world_size: int, mode: str,
+                      values_bytes: int = 4) -> list[dict[str, int]]:
+    """Per rank, the backbone's bytes by part (BACKBONE_PARTS and grad_transient_peak) from the shapes alone, by the
+    engine's own rules: LPT owners on `matrix_cost` for `method`'s rule, the gradient layout of accumulation `mode`
+    (`bucket_layout`: full mode with FULL_NUM_BUCKETS, sharded with the default byte cap) and `grad_bytes`; fp32
+    masters and `init_state`'s tensors for the owned matrices."""
+    from distsparse.config import load_config
+    from distsparse.optim.grad_buckets import BUCKET_BYTES, bucket_layout, grad_bytes
     from distsparse.optim.owners import assign_owners, matrix_cost
+    from distsparse.optim.rules import init_state
 
-    numel = {name: rows * cols for name, (rows, cols) in shapes.items()}
-    owners = assign_owners({n: matrix_cost("adamw", shapes[n], numel[n]) for n in shapes}, world_size)
-    fill, owned = [0] * world_size, [0] * world_size
-    for name, r in owners.items():
-        fill[r] += numel[name]
-        owned[r] += 1
-    shards = sum(size for _, size, _ in bucket_layout(numel, owners, world_size, num_buckets))
-    return {"values": dtype_bytes * sum(numel.values()), "codes": 0, "index_cache": 0,
-            "optimizer_state": 3 * 4 * fill[rank] + 8 * owned[rank], "grad_buffer": 4 * world_size * shards}
+    cfg = load_config(None, [f"method.preset={method}"])
+    rule, ns_steps = cfg.method.rule, getattr(cfg.method.rule_params, "ns_steps", 5)
+    numel = {name: math.prod(m["param"]) for name, m in matrices.items()}
+    costs = {name: matrix_cost(rule, tuple(m["frame"]), numel[name], ns_steps) for name, m in matrices.items()}
+    owners = assign_owners(costs, world_size)
+    sizing = {"num_buckets": FULL_NUM_BUCKETS} if mode == "full" else {"bucket_bytes": BUCKET_BYTES}
+    layout = bucket_layout(numel, owners, world_size, **sizing)
+    state = [0] * world_size
+    for name, m in matrices.items():
+        tensors = init_state(rule, tuple(m["param"]), "meta").values()
+        state[owners[name]] += 4 * numel[name] + sum(t.numel() * t.element_size() for t in tensors)
+    values = values_bytes * sum(numel.values())
+    codes = sum(m["codes"] for m in matrices.values())
+    ranks = []
+    for rank in range(world_size):
+        grads = grad_bytes(layout, rank, world_size, mode)
+        ranks.append({"values": values, "codes": codes, "index_cache": 0, "optimizer_state": state[rank],
+                      "grad_buffer": grads["persistent"], "grad_transient_peak": grads["transient_peak"]})
+    return ranks
+
+
+def state_parts(analytic: dict[str, int]) -> dict[str, int]:
+    return {part: analytic[part] for part in BACKBONE_PARTS}
+
+
+def scale_table(model: str) -> dict[str, dict[str, float]]:
+    """The largest rank's backbone bytes at each W of WORLD_SIZES in both accumulation modes, beside dense AdamW's
+    in the same mode; `grad_over_full_mode`: gradient bytes (persistent, and with the transient peak) over full
+    mode's at the same W."""
+    matrices = backbone_matrices(model)
+    table = {}
+    for w in WORLD_SIZES:
+        full = None
+        for mode in ACCUM_MODES:
+            sparse = backbone_analytic(matrices, METHOD, w, mode)
+            dense = backbone_analytic(dense_matrices(matrices), DENSE_METHOD, w, mode)
+            row = {key: max(r[key] for r in sparse) for key in ("grad_buffer", "grad_transient_peak")}
+            row["backbone_state"] = max(sum(state_parts(r).values()) for r in sparse)
+            row["dense_adamw_backbone_state"] = max(sum(state_parts(r).values()) for r in dense)
+            row["backbone_state_over_dense_adamw"] = row["backbone_state"] / row["dense_adamw_backbone_state"]
+            full = full or row
+            row["grad_over_full_mode"] = row["grad_buffer"] / full["grad_buffer"]
+            row["grad_with_transient_over_full_mode"] = (row["grad_buffer"] + row["grad_transient_peak"]) / (
+                full["grad_buffer"] + full["grad_transient_peak"])
+            table[f"W={w} {mode}"] = row
+    return table
 
 
 def classic_zero2_bytes(num_params: int, world_size: int, dtype_bytes: int = 4) -> int:
@@ -190,7 +277,8 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _train_and_count(rank: int, model: str, method: str, vocab: int, data_dir: str, out_dir: str) -> dict:
+def _train_and_count(rank: int, model: str, method: str, vocab: int, data_dir: str, out_dir: str,
+                     grad_accum_mode: str) -> dict:
     """Build `method` on the meta device, train STEPS steps, return its bytes by part, step log and shapes."""
     from distsparse.config import load_config
     from distsparse.data import collate
@@ -207,7 +295,8 @@ def _train_and_count(rank: int, model: str, method: str, vocab: int, data_dir: s
     overrides = [f"model.preset={model}", f"method.preset={method}", "model.meta_device_init=true",
                  f"model.vocab_size={vocab}", f"data.dir={data_dir}", f"data.seq_len={SEQ_LEN}",
                  f"train.micro_batch={MICRO_BATCH}", "train.grad_accum=1", f"train.steps={STEPS}",
-                 f"train.out_dir={Path(out_dir) / method}", *MEMORY_OVERRIDES]
+                 f"train.out_dir={Path(out_dir) / method}", f"engine.grad_accum_mode={grad_accum_mode}",
+                 *MEMORY_OVERRIDES]
     if method != DENSE_METHOD:
         overrides.append(f"method.topology.update_interval={UPDATE_INTERVAL}")
     cfg = load_config(None, overrides)
@@ -240,13 +329,15 @@ def _train_and_count(rank: int, model: str, method: str, vocab: int, data_dir: s
                       "refreshed": "topology/refresh_s" in metrics, "peak_rss_gb_so_far": _rss_gb()})
         log(f"step {trainer.step}/{STEPS}: {steps[-1]['seconds']:.1f}s, loss {steps[-1]['loss']:.4f}, "
             f"refresh {steps[-1]['refreshed']}, peak RSS so far {steps[-1]['peak_rss_gb_so_far']:.2f} GiB")
+    grads = trainer.matrix.grad_bytes()
     trainer.close()
     shapes = {name: (m.out_features, m.in_features) for name, m in trainer.backbone.items()}
-    return {"parts": parts, "steps": steps, "shapes": shapes, "counts": counts, "built_peak_rss_gb": built_rss_gb}
+    return {"parts": parts, "steps": steps, "shapes": shapes, "counts": counts, "built_peak_rss_gb": built_rss_gb,
+            "grad_accum_mode": trainer.matrix.grad_accum_mode, "grad_transient_peak": grads["transient_peak"]}
 
 
 def _rank_main(rank: int, world_size: int, model: str, methods: list[str], vocab: int, data_dir: str,
-               out_dir: str) -> list[dict]:
+               out_dir: str, grad_accum_mode: str) -> list[dict]:
     """Each method in turn; peak RSS is that of the first (later ones share the process, so only its peak is
     that method's own)."""
     import deepspeed  # noqa: F401  (imported before the trainer, as launch/pretrain.py does)
@@ -257,7 +348,7 @@ def _rank_main(rank: int, world_size: int, model: str, methods: list[str], vocab
     idle_gb = _status_gb("VmRSS")
     results = []
     for i, method in enumerate(methods):
-        result = _train_and_count(rank, model, method, vocab, data_dir, out_dir)
+        result = _train_and_count(rank, model, method, vocab, data_dir, out_dir, grad_accum_mode)
         if i == 0:
             result.update(peak_rss_gb=_rss_gb(), idle_rss_gb=idle_gb)
         results.append(result)
@@ -267,13 +358,14 @@ def _rank_main(rank: int, world_size: int, model: str, methods: list[str], vocab
 
 # ---- driver ------------------------------------------------------------------------------------------------------
 
-def run(model: str, methods: list[str], vocab: int, world_size: int = 2,
+def run(model: str, methods: list[str], vocab: int, world_size: int = 2, grad_accum_mode: str = "auto",
         runner: Callable[..., list] = spawn_ranks) -> list[list[dict]]:
     """[method][rank] results of one run of `world_size` ranks; `runner(fn, world_size, *args)` runs fn on
     every rank (default: fresh processes; the test suite passes its shared rank pool)."""
     with tempfile.TemporaryDirectory(prefix="scale_check_") as tmp:
         data_dir = write_synthetic_data(Path(tmp) / "data", vocab, 64 * SEQ_LEN)
-        per_rank = runner(_rank_main, world_size, model, methods, vocab, data_dir, str(Path(tmp) / "run"))
+        per_rank = runner(_rank_main, world_size, model, methods, vocab, data_dir, str(Path(tmp) / "run"),
+                          grad_accum_mode)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(methods))]
 
 
@@ -286,13 +378,19 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
     world_size = 2
     # The dense run, when measured, follows in the same processes: only the sparse run's peak RSS is its own.
     runs = run(args.model, [METHOD, DENSE_METHOD] if args.measure_dense else [METHOD], args.vocab, world_size,
-               runner)
+               args.grad_accum_mode, runner)
     sparse, measured = runs[0], (runs[1] if args.measure_dense else None)
-    shapes = {n: tuple(s) for n, s in sparse[0]["shapes"].items()}
+    mode = sparse[0]["grad_accum_mode"]
     counts = sparse[0]["counts"]
-    analytic = [{"dense_side": r["parts"]["dense_side"],
-                 "backbone": dense_adamw_backbone_analytic(shapes, world_size, rank, NUM_BUCKETS)}
+    matrices = backbone_matrices(args.model)
+    built = {n: tuple(s) for n, s in sparse[0]["shapes"].items()}
+    if {n: m["frame"] for n, m in matrices.items()} != built:
+        raise RuntimeError("scale_check: backbone_matrices() differs from the model the trainer built")
+    sparse_analytic = backbone_analytic(matrices, METHOD, world_size, mode)
+    dense_analytic = backbone_analytic(dense_matrices(matrices), DENSE_METHOD, world_size, mode)
+    analytic = [{"dense_side": r["parts"]["dense_side"], "backbone": state_parts(dense_analytic[rank])}
                 for rank, r in enumerate(sparse)]
+    tables = {model: scale_table(model) for model in ANALYTIC_MODELS}
 
     # Per-rank figures; the headline ratios use the larger rank of each side (the one that must fit).
     sparse_backbone = max(sum(r["parts"]["backbone"].values()) for r in sparse)
@@ -308,9 +406,14 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
         "backbone_state_bytes_over_dense_adamw_without_index_cache": sparse_backbone_no_cache / dense_backbone,
         "model_state_bytes_over_dense_adamw": sparse_total / max(_total(a) for a in analytic),
         "model_state_bytes_over_classic_zero2": sparse_total / classic,
+        "backbone_grad_transient_peak_bytes_per_rank": [r["grad_transient_peak"] for r in sparse],
+        **{f"grad_bytes_W{GRAD_TARGET_W}_sharded_over_full_{model}":
+           table[f"W={GRAD_TARGET_W} sharded"]["grad_over_full_mode"] for model, table in tables.items()},
         "model_state_bytes_per_rank": {f"rank{i}": r["parts"] for i, r in enumerate(sparse)},
+        "backbone_bytes_per_rank_analytic": {f"rank{i}": a for i, a in enumerate(sparse_analytic)},
         "dense_adamw_bytes_per_rank_analytic": {f"rank{i}": a for i, a in enumerate(analytic)},
         "classic_zero2_bytes_per_rank_analytic": classic,
+        **{f"analytic_largest_rank_{model}": table for model, table in tables.items()},
         "steps": {f"rank{i}": r["steps"] for i, r in enumerate(sparse)},
         "built_peak_rss_gb_per_rank": [r["built_peak_rss_gb"] for r in sparse],
         "machine": machine_info(),
@@ -318,49 +421,74 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
                    "world_size": world_size, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
                    "seq_len": SEQ_LEN, "micro_batch_per_rank": MICRO_BATCH, "steps": STEPS,
                    "update_interval": UPDATE_INTERVAL, "meta_device_init": True,
+                   "grad_accum_mode": f"{args.grad_accum_mode} (ran as {mode})",
                    "ds_config": "configs/ds/zero2.json (ZeRO-2) via build_ds_config, reduce and all-gather buckets "
                                 f"of {DS_BUCKET_ELEMENTS} elements",
                    "overrides": list(MEMORY_OVERRIDES),
                    "malloc_env": {k: os.environ.get(k) for k in MALLOC_ENV},
                    "parameter_counts": counts,
-                   "dense_adamw_accounting": "analytic from layer shapes" + (
+                   "dense_adamw_accounting": "analytic from layer shapes, same accumulation mode" + (
                        ", checked by a measured run" if args.measure_dense else " (a dense run was not made)"),
+                   "analytic": f"backbone_analytic at W = {', '.join(map(str, WORLD_SIZES))}: the engine's owner "
+                               "map, bucket_layout and grad_bytes from the config's shapes; largest rank; full mode "
+                               f"with {FULL_NUM_BUCKETS} bucket(s), sharded with the default engine.bucket_bytes",
                    "bytes_read": "last step, after backward, before the optimizer step; max over ranks in ratios",
                    "peak_rss": "VmHWM of /proc/self/status in GiB, reset after imports and process-group start; "
                                "over_idle: less the resident set at that reset",
                    "not_counted": "DeepSpeed's ZeRO-2 reduce bucket (reduce_bucket_size elements), the engine's value "
-                                  "all-gather staging (send and receive chunks), the reduce-scatter output shards and activations",
-                   "target": {"backbone_state_bytes_over_dense_adamw": f"<= {TARGET}"}},
+                                  "all-gather staging (send and receive chunks), buffers inside the collectives and "
+                                  "activations; the gradient transient peak is reported apart from the parts",
+                   "target": {"backbone_state_bytes_over_dense_adamw": f"<= {TARGET}",
+                              f"grad_bytes_W{GRAD_TARGET_W}_sharded_over_full": f"<= {GRAD_TARGET:.5f}"}},
     }
     if measured is not None:
         payload["dense_adamw_bytes_per_rank_measured"] = {f"rank{i}": r["parts"] for i, r in enumerate(measured)}
     if args.json:
         write_json(args.json, payload)
+    _print_report(args.model, payload, sparse, measured, sparse_analytic, analytic, dense_analytic, tables, mode)
+    return payload
 
+
+def _print_report(model: str, payload: dict, sparse: list, measured: list | None, sparse_analytic: list,
+                  analytic: list, dense_analytic: list, tables: dict, mode: str) -> None:
+    """The console report: headline figures, the parts table (measured and modelled), the analytic table last."""
+    world_size = len(sparse)
     ratio = payload["backbone_state_bytes_over_dense_adamw"]
-    print(f"\n{args.model}: {METHOD} on {world_size} gloo ranks x 1 thread, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, "
+    print(f"\n{model}: {METHOD} on {world_size} gloo ranks x 1 thread, seq {SEQ_LEN}, micro-batch {MICRO_BATCH}, "
           f"{STEPS} steps (refresh at step {UPDATE_INTERVAL}: "
-          f"{all(r['steps'][UPDATE_INTERVAL - 1]['refreshed'] for r in sparse)}); dense AdamW "
+          f"{all(r['steps'][UPDATE_INTERVAL - 1]['refreshed'] for r in sparse)}), gradients {mode}; dense AdamW "
           f"{'analytic, checked by a measured run' if measured else 'analytic'}")
     print(f"peak RSS per rank (GiB): {', '.join(f'{g:.2f}' for g in payload['peak_rss_gb_per_rank'])} "
           f"(over idle: {', '.join(f'{g:.2f}' for g in payload['peak_rss_over_idle_gb_per_rank'])})")
     print(f"backbone_state_bytes_over_dense_adamw = {ratio:.3f} (target <= {TARGET}: "
           f"{'met' if ratio <= TARGET else 'MISSED'}); without the index cache "
           f"{payload['backbone_state_bytes_over_dense_adamw_without_index_cache']:.3f}")
-    rows = []
-    for side, names in (("dense_side", DENSE_PARTS), ("backbone", BACKBONE_PARTS)):
-        for name in names:
-            row = [f"{side}/{name}", *(r["parts"][side][name] / 2**20 for r in sparse),
-                   *(a[side][name] / 2**20 for a in analytic)]
-            if measured is not None:
-                row += [r["parts"][side][name] / 2**20 for r in measured]
-            rows.append(row)
+    for name, table in tables.items():
+        grad = table[f"W={GRAD_TARGET_W} sharded"]["grad_over_full_mode"]
+        print(f"{name}: gradient bytes per rank at W = {GRAD_TARGET_W}, sharded / full = 1/{1 / grad:.0f} "
+              f"(target <= 1/{1 / GRAD_TARGET:.0f}: {'met' if grad <= GRAD_TARGET else 'MISSED'})")
+    # Columns: the 1:4 run measured and as modelled, dense AdamW modelled (and measured); the transient peak apart.
+    columns = [[{**r["parts"]["dense_side"], **r["parts"]["backbone"], "grad_transient_peak": r["grad_transient_peak"]}
+                for r in sparse],
+               [{**r["parts"]["dense_side"], **a} for r, a in zip(sparse, sparse_analytic)],
+               [{**a["dense_side"], **d} for a, d in zip(analytic, dense_analytic)]]
     headers = ["part (MiB)", *(f"1:4 rank{i}" for i in range(world_size)),
+               *(f"1:4 rank{i} (analytic)" for i in range(world_size)),
                *(f"dense_adamw rank{i} (analytic)" for i in range(world_size))]
     if measured is not None:
+        columns.append([{**r["parts"]["dense_side"], **r["parts"]["backbone"],
+                         "grad_transient_peak": r["grad_transient_peak"]} for r in measured])
         headers += [f"dense_adamw rank{i} (measured)" for i in range(world_size)]
+    rows = [[f"{side}/{name}", *(c.get(name, 0) / 2**20 for group in columns for c in group)]
+            for side, names in (("dense_side", DENSE_PARTS), ("backbone", BACKBONE_PARTS + ("grad_transient_peak",)))
+            for name in names]
     print_table(headers, rows)
-    return payload
+    print()
+    rows = [[name, key, *(row[k] / 2**20 for k in ("grad_buffer", "grad_transient_peak", "backbone_state")),
+             row["backbone_state_over_dense_adamw"], row["grad_over_full_mode"]]
+            for name, table in tables.items() for key, row in table.items()]
+    print_table(["model", "W, mode", "grad MiB", "grad transient MiB", "backbone state MiB", "over dense AdamW",
+                 "grad / full mode"], rows)
 
 
 if __name__ == "__main__":

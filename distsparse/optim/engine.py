@@ -2,11 +2,13 @@
 
 Each matrix (compressed `values` of an NMSparseLinear, or the dense `weight` of a dense/latent projection)
 is owned by one rank, chosen by greedy LPT on its update cost. Gradients leave autograd through
-post-accumulate hooks into one shard-aligned fp32 flat buffer (`.grad` is set to None, so DeepSpeed neither
-sees nor zeroes them). On the accumulation boundary:
+post-accumulate hooks (`.grad` is set to None, so DeepSpeed neither sees nor zeroes them) into fp32 gradient
+buckets, which reduce-scatter them to the owners (distsparse/optim/grad_buckets.py: `full` holds a W x shard buffer
+and reduces once per step, `sharded` reduces every micro-batch into an accumulator of the rank's own gradients).
+On the accumulation boundary:
 
-    grad buffer [W * S] fp32   --reduce_scatter-->  own shard [S] (mean over ranks)      phase 1: reduce
-    own shard                  --sum of squares-->  local scalar (the joint step sums)  phase 2: norm
+    gradient buckets   --reduce_scatter-->  own gradients (mean over ranks)                 phase 1: reduce
+    own gradients      --sum of squares-->  local scalar (the joint step sums)              phase 2: norm
     owners: rule(master, grad * clip) for each owned matrix (fp32 master and state)     phase 3: update
     owners: topology refresh of owned matrices, state follows its links                 phase 4: refresh
     codes [W * Sc] uint8 (after a refresh) and values [W * S] --all_gather--> every rank phase 5: gather
@@ -37,17 +39,14 @@ from distsparse import dist as ddist
 from distsparse.layers import NMSparseLinear
 from distsparse.models import backbone_param
 from distsparse.nm import NMMeta, kept_index
+from distsparse.optim.grad_buckets import (BUCKET_BYTES, Comm, FullBuffer, ShardedAccumulator, align, bucket_layout,
+                                           grad_bytes, resolve_grad_accum_mode)
 from distsparse.optim.matrix_state import RESET_MODES, init_shadow, move_state, update_shadow
 from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule, init_state
 from distsparse.topology import RefreshResult
 
-ALIGN = 128   # shard length alignment (elements)
 GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -60,8 +59,6 @@ class Matrix:
     owner: int
     offset: int                   # in the owner's value shard
     codes_offset: int             # in the owner's codes shard
-    bucket: int = 0               # gradient bucket
-    grad_offset: int = 0          # in the owner's shard of that bucket
 
     @property
     def sparse(self) -> bool:
@@ -85,18 +82,6 @@ class Matrix:
 RefreshFn = Callable[[str, torch.Tensor, NMMeta], RefreshResult]
 
 
-@dataclass
-class GradBucket:
-    """A group of matrices whose gradients are reduced together; shard r of `buffer` holds r's matrices."""
-    names: list[str]
-    shard_size: int
-    buffer: torch.Tensor          # fp32 [W * shard_size]
-    arrived: int = 0              # gradients accumulated in the current backward
-    handle: object = None         # in-flight async collective
-    wire: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-
-
 def _overlaps(matrices: list[Matrix], start: int, end: int):
     """(matrix, lo, hi) for each matrix whose span [offset, offset + numel) in its owner's shard meets
     [start, end); lo and hi are shard positions."""
@@ -106,34 +91,19 @@ def _overlaps(matrices: list[Matrix], start: int, end: int):
             yield m, lo, hi
 
 
-def bucket_layout(numel: dict[str, int], owners: dict[str, int], world_size: int, num_buckets: int
-                  ) -> list[tuple[list[str], int, dict[str, int]]]:
-    """Split the matrices into buckets in reverse name order (deepest layers first, roughly the order in which
-    backward produces their gradients), so a bucket's reduce-scatter can start while backward still runs on
-    earlier layers. Per bucket: its names, its aligned shard size and each matrix's offset in its owner's shard."""
-    if num_buckets < 1:
-        raise ValueError(f"engine.num_buckets: got {num_buckets}; allowed: an integer >= 1")
-    names = sorted(numel, reverse=True)
-    per = -(-len(names) // num_buckets)
-    layout = []
-    for start in range(0, len(names), per):
-        fill, offsets = [0] * world_size, {}
-        for name in names[start:start + per]:
-            offsets[name] = fill[owners[name]]
-            fill[owners[name]] += numel[name]
-        layout.append((names[start:start + per], _align(max(fill)), offsets))
-    return layout
-
-
 SHADOW = "shadow."   # state_dict key prefix of reset mode none's dense shadow tensors
 
 
 class MatrixEngine:
     def __init__(self, modules: dict[str, nn.Module], *, rule: str, hparams, mode: str = "sharded",
                  reduce_dtype: str = "fp32", group=None, reset_mode: str = "changed",
-                 initial_values: dict[str, torch.Tensor] | None = None, num_buckets: int = 1,
+                 initial_values: dict[str, torch.Tensor] | None = None, grad_accum_mode: str = "auto",
+                 micro_batches: int = 1, num_buckets: int = 1, bucket_bytes: int = BUCKET_BYTES,
                  gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
                  force_collectives: bool = False):
+        """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per
+        optimizer step) choose how gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets`
+        sizes full mode's buckets, `bucket_bytes` caps sharded mode's."""
         if reset_mode not in RESET_MODES:
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
         self.rule, self.hp = get_rule(rule), hparams
@@ -170,12 +140,23 @@ class MatrixEngine:
             fill[r] += m.numel
             codes_fill[r] += m.codes_numel
             self.matrices[name] = m
-        self.shard_size = _align(max(fill))
-        self.codes_shard_size = _align(max(codes_fill))
+        self.shard_size = align(max(fill))
+        self.codes_shard_size = align(max(codes_fill))
         device = torch.device(device) if device is not None else next(iter(params.values())).device
         self.device = device
-        self.buckets = self._make_buckets(num_buckets, device)
-        self._boundary = False
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches: got {micro_batches}; allowed: an integer >= 1")
+        self.micro_batches = micro_batches
+        self.grad_accum_mode = resolve_grad_accum_mode(grad_accum_mode, replicated=mode == "replicated",
+                                                       world_size=self.world_size, micro_batches=micro_batches)
+        numel = {name: params[name].numel() for name in modules}
+        comm = Comm(group, self.rank, self.world_size, self.collectives, device, self.comm_device, self.reduce_dtype)
+        if self.grad_accum_mode == "full":
+            self.grad_layout = bucket_layout(numel, self.owners, self.world_size, num_buckets=num_buckets)
+            self.grads = FullBuffer(self.grad_layout, self.owners, numel, comm, replicated=mode == "replicated")
+        else:
+            self.grad_layout = bucket_layout(numel, self.owners, self.world_size, bucket_bytes=bucket_bytes)
+            self.grads = ShardedAccumulator(self.grad_layout, self.owners, numel, comm)
         self._pending_codes: dict[str, torch.Tensor] = {}
         self.last_refresh_seconds = 0.0
 
@@ -193,18 +174,7 @@ class MatrixEngine:
             for name in self.masters if reset_mode == "none" and self.matrices[name].sparse}
         self._hooks = [m.param.register_post_accumulate_grad_hook(self._hook(m)) for m in self.matrices.values()]
 
-    # ---- layout ------------------------------------------------------------------------------------------
-
-    def _make_buckets(self, num_buckets: int, device) -> list[GradBucket]:
-        buckets = []
-        layout = bucket_layout({n: m.numel for n, m in self.matrices.items()}, self.owners, self.world_size,
-                               num_buckets)
-        for b, (names, size, offsets) in enumerate(layout):
-            for name in names:
-                self.matrices[name].bucket, self.matrices[name].grad_offset = b, offsets[name]
-            buckets.append(GradBucket(names, size,
-                                      torch.zeros(self.world_size * size, dtype=torch.float32, device=device)))
-        return buckets
+    # ---- gradients ---------------------------------------------------------------------------------------
 
     def owned(self) -> list[Matrix]:
         return [m for m in self.matrices.values() if m.owner == self.rank]
@@ -213,86 +183,66 @@ class MatrixEngine:
         """Matrices this rank updates: its own (sharded) or all (replicated)."""
         return [self.matrices[n] for n in self.masters]
 
-    def _grad_view(self, m: Matrix) -> torch.Tensor:
-        bucket = self.buckets[m.bucket]
-        start = m.owner * bucket.shard_size + m.grad_offset
-        return bucket.buffer[start:start + m.numel]
-
     def _hook(self, m: Matrix):
-        view, bucket = self._grad_view(m), self.buckets[m.bucket]
+        add = self.grads.add
 
         def accumulate(param: torch.Tensor) -> None:
-            view.add_(param.grad.reshape(-1).float())   # fp32 accumulation across micro-batches
+            add(m.name, param.grad)   # fp32 accumulation; a complete bucket starts its reduce from here
             param.grad = None
-            bucket.arrived += 1
-            if self._boundary and bucket.arrived == len(bucket.names):
-                self._launch(bucket)   # overlap: reduce this bucket while backward continues
         return accumulate
 
     def start_boundary(self) -> None:
-        """Call before the backward of the last micro-batch of a step: buckets then reduce as they fill."""
-        self._boundary = True
-        for bucket in self.buckets:
-            bucket.arrived = 0
+        """Call before the backward of the last micro-batch of a step: buckets then reduce as they fill (full
+        mode; sharded mode reduces them in every backward)."""
+        self.grads.arm(last=True)
 
     def start_micro_step(self) -> None:
-        """Call before a backward that does not end the step (no collectives)."""
-        for bucket in self.buckets:
-            bucket.arrived = 0
+        """Call before a backward that does not end the step (full mode: no collectives)."""
+        self.grads.arm(last=False)
 
     # ---- phase 1 and 2: reduce and norm ------------------------------------------------------------------
 
-    def _launch(self, bucket: GradBucket) -> None:
-        if not self.collectives or bucket.handle is not None:
-            return
-        bucket.wire = bucket.buffer.to(self.comm_device, self.reduce_dtype)
-        if self.mode == "replicated":
-            bucket.handle = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
-        else:
-            bucket.out = torch.empty(bucket.shard_size, dtype=self.reduce_dtype, device=self.comm_device)
-            bucket.handle = dist.reduce_scatter_tensor(bucket.out, bucket.wire, group=self.group, async_op=True)
-
     def reduce_gradients(self) -> None:
-        """Mean over ranks: owners receive their shard (sharded) or everyone the whole buffer (replicated).
-        Buckets already launched from the hooks are only waited for."""
-        self._boundary = False
-        if not self.collectives:
-            return
-        for bucket in self.buckets:
-            self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            if self.mode == "replicated":
-                bucket.buffer.copy_(bucket.wire)
-            else:
-                self._own_shard(bucket).copy_(bucket.out)
-            bucket.buffer.div_(self.world_size)
-            bucket.handle = bucket.wire = bucket.out = None
-
-    def _own_shard(self, bucket: GradBucket) -> torch.Tensor:
-        return bucket.buffer[self.rank * bucket.shard_size:(self.rank + 1) * bucket.shard_size]
+        """Mean over ranks of the step's gradients: owners hold theirs (sharded), or everyone all of them
+        (replicated). Buckets already launched from the hooks are only waited for."""
+        self.grads.reduce()
 
     @property
     def grad_buffer(self) -> torch.Tensor:
-        """The flat fp32 gradient buffer [W * S] of a single-bucket engine (benchmarks fill it directly)."""
-        assert len(self.buckets) == 1, f"grad_buffer needs num_buckets=1, got {len(self.buckets)}"
-        return self.buckets[0].buffer
+        """The flat fp32 gradient buffer [W * S] of a single-bucket full-mode engine (benchmarks fill it directly)."""
+        if self.grad_accum_mode != "full" or len(self.grad_layout) != 1:
+            raise ValueError(f"grad_buffer: needs grad_accum_mode=full and num_buckets=1, got "
+                             f"{self.grad_accum_mode} with {len(self.grad_layout)} buckets")
+        return self.grads.buffers[0]
 
-    @property
-    def grad_shard_total(self) -> int:
-        """Elements of one rank's gradient shards over all buckets (padding included)."""
-        return sum(b.shard_size for b in self.buckets)
+    def grad_bytes(self) -> dict[str, int]:
+        """Gradient bytes on this rank: `persistent` (held between steps: full mode's W x shard buffers or sharded
+        mode's own accumulator) and `transient_peak` (the most staging, wire copies and reduce outputs held at
+        once so far). `grad_buckets.grad_bytes` counts the same from the layout alone."""
+        persistent = sum(t.untyped_storage().nbytes() for t in self.grads.persistent())
+        return {"persistent": persistent, "transient_peak": self.grads.transient.peak}
+
+    def expected_grad_bytes(self) -> dict[str, int]:
+        """`grad_buckets.grad_bytes` for this engine's layout, rank and settings (what grad_bytes() should read
+        after a step whose gradients arrived in layout order)."""
+        wire_copy = self.reduce_dtype != torch.float32 or self.comm_device != self.device
+        return grad_bytes(self.grad_layout, self.rank, self.world_size, self.grad_accum_mode,
+                          micro_batches=self.micro_batches, reduce_itemsize=self.reduce_dtype.itemsize,
+                          wire_copy=wire_copy)
 
     def local_grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squared reduced gradients of the matrices this rank is responsible for in the norm (its own
-        shards in both modes, so that a sum over ranks counts every matrix once): a float64 0-dim tensor on the
-        engine's device, inf or nan when a gradient is. Norms per bucket in fp32 (no fp64 copy of the shard)."""
-        norms = torch.stack([torch.linalg.vector_norm(self._own_shard(b)) for b in self.buckets])
+        """Sum of squared reduced gradients of the matrices this rank owns (in both modes, so that a sum over ranks
+        counts every matrix once): a float64 0-dim tensor on the engine's device, inf or nan when a gradient is.
+        One fp32 norm per matrix, so the result does not depend on the bucket layout or the accumulation mode."""
+        owned = self.owned()
+        if not owned:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch.stack([torch.linalg.vector_norm(self.grads.grad(m.name)) for m in owned])
         return norms.double().square().sum()
 
     def local_grads_nonfinite(self) -> torch.Tensor:
-        """0 when this rank's own shards are finite, inf otherwise (float64 0-dim): finiteness without a norm."""
-        ok = torch.stack([torch.isfinite(self._own_shard(b)).all() for b in self.buckets]).all()
+        """0 when this rank's own gradients are finite, inf otherwise (float64 0-dim): finiteness without a norm."""
+        ok = torch.stack([torch.isfinite(t).all() for t in self.grads.own()]).all()
         return torch.where(ok, 0.0, float("inf")).double()
 
     def grad_sq_norm(self) -> torch.Tensor:
@@ -308,7 +258,7 @@ class MatrixEngine:
         """Update every matrix this rank is responsible for, refresh topologies when `refresh` is given,
         then distribute codes and values. Returns refresh stats keyed by matrix name (this rank's)."""
         for m in self.updated_here():
-            grad = self._grad_view(m).view(m.param.shape)
+            grad = self.grads.grad(m.name).view(m.param.shape)
             if clip_coef != 1.0:
                 grad = grad * clip_coef
             extra = {"mask": m.module.current_mask()} if self.rule.needs_support_mask else {}
@@ -386,8 +336,7 @@ class MatrixEngine:
                 m.param.data.view(-1)[lo - m.offset:hi - m.offset].copy_(recv[src:src + hi - lo])
 
     def zero_grad(self) -> None:
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
+        self.grads.zero()
 
     def grads_finite(self) -> bool:
         """Agreed across ranks (one all-reduce and a host read): the engine alone, for tests and tools."""
@@ -426,18 +375,18 @@ class MatrixEngine:
             self.states[name] = {k: v.to(self.device) if v.dim() else v for k, v in entry.items()}
 
     def state_bytes(self) -> int:
-        """Bytes of backbone optimizer state on this rank: masters, rule state (and shadows) and the gradient
-        buffer."""
+        """Bytes of backbone optimizer state on this rank: masters, rule state (and shadows) and the persistent
+        gradient bytes (grad_bytes())."""
         tensors = list(self.masters.values()) + [t for s in self.states.values() for t in s.values()]
         tensors += [t for s in self.shadows.values() for t in s.values()]
-        buffers = sum(b.buffer.untyped_storage().nbytes() for b in self.buckets)
-        return sum(t.untyped_storage().nbytes() for t in tensors) + buffers
+        return sum(t.untyped_storage().nbytes() for t in tensors) + self.grad_bytes()["persistent"]
 
     def comm_bytes_per_step(self, refresh_interval: int | None) -> dict[str, float]:
         """Bytes this rank sends per optimizer step in the backbone collectives, padding included.
 
         Ring algorithms (NCCL's bus-bandwidth model): reduce-scatter and all-gather send W-1 shards, an
-        all-reduce 2 (W-1)/W of its buffer. `reduce`: the gradient buffer in `reduce_dtype`; `values`: the
+        all-reduce 2 (W-1)/W of its buffer. `reduce`: the gradient buckets in `reduce_dtype`, once per step (full
+        mode) or once per micro-batch (sharded mode, `micro_batches` per step); `values`: the
         all-gather in the backbone dtype; `codes`: the uint8 code all-gather that follows a refresh, amortized over
         `refresh_interval` steps (None: no refreshes). Replicated mode all-reduces and gathers nothing. The step's
         scalars travel in the joint step's one all-reduce (JointOptimizer.scalar_bytes_per_step).
@@ -447,11 +396,9 @@ class MatrixEngine:
         w = self.world_size
         out = {"reduce": 0.0, "values": 0.0, "codes": 0.0}
         if w > 1:
-            if self.mode == "replicated":
-                out["reduce"] = 2 * (w - 1) / w * w * self.grad_shard_total * self.reduce_dtype.itemsize
-            else:
+            out["reduce"] = self.grads.reduce_bytes_per_step(self.micro_batches)
+            if self.mode != "replicated":
                 values_dtype = next(iter(self.matrices.values())).param.dtype
-                out["reduce"] = float((w - 1) * self.grad_shard_total * self.reduce_dtype.itemsize)
                 out["values"] = float((w - 1) * self.shard_size * values_dtype.itemsize)
                 if refresh_interval is not None:
                     out["codes"] = (w - 1) * self.codes_shard_size / refresh_interval

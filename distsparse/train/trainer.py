@@ -62,7 +62,9 @@ def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group
     """The backbone's engine on `device` (where DeepSpeed put the model), its fp32 masters from `initial`."""
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=cfg.method.rule_params, mode=cfg.engine.mode,
                         reduce_dtype=cfg.engine.reduce_dtype, group=group, reset_mode=cfg.method.reset_mode,
-                        initial_values=initial, num_buckets=cfg.engine.num_buckets, device=device,
+                        initial_values=initial, grad_accum_mode=cfg.engine.grad_accum_mode,
+                        micro_batches=cfg.train.grad_accum, num_buckets=cfg.engine.num_buckets,
+                        bucket_bytes=cfg.engine.bucket_bytes, device=device,
                         force_collectives=cfg.engine.force_collectives)
 
 
