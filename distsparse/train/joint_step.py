@@ -3,8 +3,9 @@ optimizers. DeepSpeed ZeRO-1/2 steps the dense side, the matrix engine the backb
 benchmarks all step through `JointOptimizer`, and nobody else writes this sequence.
 
     begin(step)           method hooks before the first forward (CAST's mask update)
-    backward(loss, last)  per micro-batch: + method extra losses, DeepSpeed backward; the last one arms the backbone
-                          buckets, which then reduce-scatter while backward still runs
+    backward(loss, last)  per micro-batch: + method extra losses, DeepSpeed backward; backbone buckets reduce-scatter
+                          while backward still runs (full mode: in the last micro-batch only; sharded mode: in every
+                          one, into each rank's own-shard accumulator, engine.grad_accum_mode)
     step()                the boundary, in five phases:
       1 reduce    wait for the backbone reduce-scatter (DeepSpeed reduced its partition in the last backward)
       2 agree     one all-reduce of [dense |g|^2, backbone |g|^2, loss, preemption] and one host read. The
