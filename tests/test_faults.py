@@ -167,6 +167,35 @@ def test_a_manifest_edited_where_its_step_still_matches_is_refused_by_its_own_di
     assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
 
 
+def test_auto_refuses_to_start_over_when_every_checkpoint_is_damaged_naming_each(ranks2, saved, run):
+    from distsparse.checkpoint import CheckpointError, CheckpointManager
+    damaged = []
+    for step in (STEP2, STEP4):
+        file = _checkpoints(run) / step / ZERO_RANK1
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF          # same size: found by rank 1's digest, not by the manifest checks
+        file.write_bytes(bytes(data))
+        damaged.append(file)
+    for answer in ranks2.run(_find, str(_checkpoints(run)), "auto"):
+        assert answer["error"].startswith(f"resume auto: no checkpoint under {_checkpoints(run)} is intact")
+        assert all(f"{file} is corrupt" in answer["error"] for file in damaged), answer
+    (_checkpoints(run) / STEP4 / "manifest.json").write_text("{")
+    (_checkpoints(run) / STEP2 / ZERO_RANK1).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"checkpoint.resume: auto, but no checkpoint under .* is intact: .*"
+                                         rf"{STEP4}/manifest.json is corrupt.*{STEP2}/{ZERO_RANK1} is truncated"):
+        _validate(saved, run, ["checkpoint.resume=auto"])   # before any process group
+    with pytest.raises(CheckpointError, match="no checkpoint under .* is intact"):
+        CheckpointManager(_checkpoints(run)).find("auto")
+
+
+def test_a_fresh_start_where_checkpoints_are_is_refused_before_any_process_starts(saved, run):
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint.resume: got '' (start fresh), but "
+                                                   f"{_checkpoints(run)} holds checkpoints ({STEP4}, {STEP2}); "
+                                                   f"allowed: auto")):
+        _validate(saved, run, [])
+    _validate(saved, run, ["checkpoint.resume=auto"])
+
+
 def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_the_one_resumed(saved, tmp_path):
     """A real kill -9 of the process halfway through its second save (DeepSpeed's files written, the project's
     not yet): the temp directory is left behind, `latest` and auto still name step 2."""
