@@ -158,7 +158,7 @@ def _state(trainer) -> dict[str, torch.Tensor]:
 
 def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_check):
     from distsparse.models import backbone_param
-    _, trainer = _trainer(data_dir, out_dir, overrides, bf16_overflow_check=bf16_overflow_check)
+    cfg, trainer = _trainer(data_dir, out_dir, overrides, bf16_overflow_check=bf16_overflow_check)
     trainer.train_step([_batch(rank)])   # a normal step first: Adam state exists on both sides
     trainer.step += 1
     before = _state(trainer)
@@ -174,12 +174,14 @@ def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_
     trainer.train_step([_batch(rank)])
     trainer.step += 1
     after = _state(trainer)
+    dense_lr = trainer.engine.optimizer.param_groups[0]["lr"] / cfg.train.lr   # what the next step applies
     trainer.close()
     changed = [k for k in before if not torch.equal(before[k], skipped[k])]
     return {"changed_by_skip": changed, "skipped_metric": metrics.get("optim/skipped_steps"),
             "finite_after": all(bool(torch.isfinite(t).all()) for t in after.values() if t.is_floating_point()),
             "trained_after": [k for k in before if k.startswith("model/") and not torch.equal(skipped[k], after[k])],
-            "num_model": sum(k.startswith("model/") for k in before)}
+            "num_model": sum(k.startswith("model/") for k in before), "dense_lr_factor": dense_lr,
+            "backbone_lr_factor": trainer.lr_scale(), "step": trainer.step}
 
 
 # bf16 ZeRO-2 with DeepSpeed's own overflow check off is where a NaN threshold used to reach the dense weights.
@@ -193,6 +195,8 @@ def test_a_backbone_only_nan_skips_both_sides_with_every_weight_bit_identical(ra
         assert r["skipped_metric"] == 1.0
         assert r["finite_after"], "the next step must start from clean buffers"
         assert len(r["trained_after"]) == r["num_model"], "the next step trains every parameter again"
+        assert r["step"] == 3 and r["dense_lr_factor"] == pytest.approx(r["backbone_lr_factor"], rel=1e-9), \
+            "after a skipped step both sides stay on one step of the schedule"
 
 
 def _count_step_collectives(rank, world_size, data_dir, out_dir, overrides):
