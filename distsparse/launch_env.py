@@ -18,7 +18,8 @@ step (the batch script, an salloc shell).
 
 `resolve` is a pure function of an environ mapping (the node-list expander and the free-port finder are
 arguments) and `LaunchEnv.device_index` of a device count, so every case is tested on CPU with fake
-environments; `apply` is the one function with effects (exports the variables DeepSpeed reads, sets the GPU).
+environments; `apply` (exports the variables DeepSpeed reads, sets the GPU) and `start` (apply, then the default
+process group on that GPU) are the functions with effects. Every entry point calls `start`.
 """
 
 from __future__ import annotations
@@ -280,3 +281,25 @@ def describe(env: LaunchEnv, device: int | None) -> str:
     return (f"launch: {env.source}, rank {env.rank} of world {env.world_size} (local rank {env.local_rank}"
             f"{'' if env.local_world_size is None else f' of {env.local_world_size}'}), rendezvous "
             f"{env.master_addr}:{env.master_port}, device {where}")
+
+
+def start(env: LaunchEnv) -> int | None:
+    """`apply`, then the default process group, before any model exists: NCCL on this process's GPU with CUDA, gloo
+    without; DeepSpeed adopts it. Returns the device index (None on CPU).
+
+    With several ranks the NCCL group is bound to the GPU `device_index` chose. deepspeed.init_distributed alone
+    binds cuda:LOCAL_RANK (deepspeed/comm/torch.py, `init_process_group`), which torch refuses as out of range where
+    SLURM gives each task one GPU (LOCAL_RANK 3, one visible device). A world of one is not bound, as DeepSpeed
+    does not bind it: binding makes every later new_group an NCCL split with no peer."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.constants import default_pg_timeout
+
+    device = apply(env)
+    backend = "gloo" if device is None else "nccl"
+    if not dist.is_initialized():
+        bind = {"device_id": torch.device("cuda", device)} if device is not None and env.world_size > 1 else {}
+        dist.init_process_group(backend, timeout=default_pg_timeout, **bind)
+    deepspeed.init_distributed(dist_backend=backend)
+    return device

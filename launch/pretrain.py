@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except launch_env.LaunchError as err:
         print(f"launch error: {err}", file=sys.stderr)
         return 2
-    import deepspeed
-    import torch
-    device = launch_env.apply(env)   # the GPU is chosen before the process group starts
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = launch_env.start(env)   # the GPU is chosen, then the process group starts on it
     if env.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     logging.info(launch_env.describe(env, device))

@@ -213,11 +213,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         env = launch_env.resolve_here()
         _start_logging(env.rank)
-        import deepspeed
-        import torch
-        device = launch_env.apply(env)
         ds_config = complete_ds_config(self.ds_source, self.cfg)   # here, on the node that trains
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        device = launch_env.start(env)
         logging.info(launch_env.describe(env, device))
         from distsparse.train.trainer import Trainer
         trainer = Trainer(self.cfg, ds_config)

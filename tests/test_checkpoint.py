@@ -160,3 +160,40 @@ def _crash_second_save(rank, world_size, data_dir, out_dir):
     finally:
         ck.CheckpointManager._write_rank_files = original
         trainer.close()
+
+
+class _FakeDeepSpeed:
+    """What CheckpointManager.save asks of DeepSpeed's engine (0.19's file names and writer flags); it also writes a
+    file no rank claims, as a newer DeepSpeed might."""
+    save_non_zero_checkpoint = save_zero_checkpoint = True
+
+    def _get_ckpt_name(self, root, tag):
+        return os.path.join(root, tag, "mp_rank_00_model_states.pt")
+
+    def _get_zero_ckpt_name(self, root, tag):
+        return os.path.join(root, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+    def save_checkpoint(self, root, tag, save_latest):
+        for name in (self._get_ckpt_name(root, tag), self._get_zero_ckpt_name(root, tag),
+                     os.path.join(root, tag, "extra", "unclaimed.bin")):
+            Path(name).parent.mkdir(parents=True, exist_ok=True)
+            Path(name).write_bytes(tag.encode())
+
+
+class _FakeMatrix:
+    owners = {"w": 0}
+
+    def state_dict(self):
+        return {"w": {"master": torch.arange(4.0)}}
+
+
+def test_keep_last_checkpoints_remain_and_every_file_written_is_in_the_manifest(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        manager.save(step, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000002", "step00000003"]
+    found = manager.find("auto")
+    assert found.path.name == "step00000003"
+    assert sorted(found.manifest["files"]) == [
+        "backbone/rank00000.safetensors", "extra/unclaimed.bin", "mp_rank_00_model_states.pt", "rng/rank00000.json",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt"]

@@ -154,6 +154,48 @@ def test_a_manifest_whose_step_was_edited_is_refused_naming_its_directory(run):
     assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
 
 
+def test_a_manifest_edited_where_its_step_still_matches_is_refused_by_its_own_digest(run):
+    from distsparse.checkpoint import CheckpointError, CheckpointManager
+    manifest = _checkpoints(run) / STEP4 / "manifest.json"
+    text = manifest.read_text()
+    edited = re.sub(r'"consumed_samples": (\d+)', lambda m: f'"consumed_samples": {int(m.group(1)) + 1}', text)
+    assert edited != text
+    manifest.write_text(edited)   # valid UTF-8 JSON, step 4 in step00000004: only the digest tells
+    with pytest.raises(CheckpointError, match=re.escape(f"{manifest} is corrupt: its content does not match its "
+                                                        f"digest")):
+        CheckpointManager(_checkpoints(run)).find(str(manifest.parent))
+    assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
+
+
+def test_auto_refuses_to_start_over_when_every_checkpoint_is_damaged_naming_each(ranks2, saved, run):
+    from distsparse.checkpoint import CheckpointError, CheckpointManager
+    damaged = []
+    for step in (STEP2, STEP4):
+        file = _checkpoints(run) / step / ZERO_RANK1
+        data = bytearray(file.read_bytes())
+        data[len(data) // 2] ^= 0xFF          # same size: found by rank 1's digest, not by the manifest checks
+        file.write_bytes(bytes(data))
+        damaged.append(file)
+    for answer in ranks2.run(_find, str(_checkpoints(run)), "auto"):
+        assert answer["error"].startswith(f"resume auto: no checkpoint under {_checkpoints(run)} is intact")
+        assert all(f"{file} is corrupt" in answer["error"] for file in damaged), answer
+    (_checkpoints(run) / STEP4 / "manifest.json").write_text("{")
+    (_checkpoints(run) / STEP2 / ZERO_RANK1).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"checkpoint.resume: auto, but no checkpoint under .* is intact: .*"
+                                         rf"{STEP4}/manifest.json is corrupt.*{STEP2}/{ZERO_RANK1} is truncated"):
+        _validate(saved, run, ["checkpoint.resume=auto"])   # before any process group
+    with pytest.raises(CheckpointError, match="no checkpoint under .* is intact"):
+        CheckpointManager(_checkpoints(run)).find("auto")
+
+
+def test_a_fresh_start_where_checkpoints_are_is_refused_before_any_process_starts(saved, run):
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint.resume: got '' (start fresh), but "
+                                                   f"{_checkpoints(run)} holds checkpoints ({STEP4}, {STEP2}); "
+                                                   f"allowed: auto")):
+        _validate(saved, run, [])
+    _validate(saved, run, ["checkpoint.resume=auto"])
+
+
 def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_the_one_resumed(saved, tmp_path):
     """A real kill -9 of the process halfway through its second save (DeepSpeed's files written, the project's
     not yet): the temp directory is left behind, `latest` and auto still name step 2."""
@@ -194,6 +236,7 @@ def _validate(saved, run_dir, extra):
     (["method.sparsity=2:4", "model.num_hidden_layers=3"],
      ["method.sparsity saved '1:4', run '2:4'", "model.num_hidden_layers saved 2, run 3"]),
     (["method.branch.kind=add", "method.branch.rank=4"], ["method.branch.kind saved 'none', run 'add'"]),
+    (["model.vocab_size=128"], ["vocabulary size saved 97, run 128"]),   # a config key that may change alone
 ])
 def test_resuming_another_model_or_method_is_refused_by_name_before_any_process_starts(saved, extra, words):
     with pytest.raises(ValueError) as err:
@@ -286,3 +329,21 @@ def test_undecodable_bytes_are_refused_by_default_and_replaced_only_when_asked(t
     assert read_file_documents(str(text), TextOptions("latin-1"))[0].startswith("caf\u00e9 au lait.")
     with pytest.raises(ValueError, match="not text"):   # 1 byte in 15 undecodable as UTF-8: wrong encoding
         read_file_documents(str(text), TextOptions(errors="replace"))
+
+
+@pytest.mark.parametrize("text_chars, refused", [(985, True), (990, False)])
+def test_the_not_text_share_counts_each_undecodable_byte_once_whether_replaced_or_dropped(tmp_path, text_chars,
+                                                                                          refused):
+    """share = undecodable / (decoded characters + dropped bytes): 10 bad bytes in 985 text characters are 1.005%
+    (over MAX_NOT_TEXT_SHARE), in 990 exactly 1%, under both --errors replace and ignore."""
+    from data_prep.sources import MAX_NOT_TEXT_SHARE, TextOptions, read_file_documents
+    assert MAX_NOT_TEXT_SHARE == 0.01
+    path = tmp_path / "mostly.txt"
+    words = ("plain text " * 100)[:text_chars - 10]
+    path.write_bytes(words.encode() + b"".join(b" \xff" for _ in range(10)))   # 10 spaces, 10 bad bytes
+    for errors in ("replace", "ignore"):
+        if refused:
+            with pytest.raises(ValueError, match=rf"{path}: not text: 1\.0% .*undecodable bytes \(10"):
+                read_file_documents(str(path), TextOptions(errors=errors))
+        else:
+            assert len(read_file_documents(str(path), TextOptions(errors=errors))) == 1

@@ -177,3 +177,24 @@ def test_bench_train_rows_select_the_compared_methods_and_keep_the_reference():
     for bad in ("chtsnm_nobranch_1of4_row", "dense_adamw", "dense_adamw,chtsnm_nobranch_1of4_row,nope"):
         with pytest.raises(SystemExit):
             parse(["--rows", bad])
+
+
+def test_a_step_json_in_another_shape_still_brings_every_file_back_and_fails_the_check(gpu_check, tmp_path,
+                                                                                      monkeypatch, capsys):
+    py = sys.executable
+
+    def fake_plan(_py, work):
+        step = gpu_check.Step
+        return [step("install_wheels", 10, [py, "-c", "pass"], "ok", needs_cuda=False),
+                step("bench_train_350m", 20, [py, "-c", _writer(work / "bench_train_350m.json", {"machine": {}})],
+                     "a JSON without the figures", json="bench_train_350m.json", needs_cuda=False)]
+
+    monkeypatch.setattr(gpu_check, "plan", fake_plan)
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out)]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "gpu_h200.json", "summary.txt"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert {"gpu_check/bench_train_350m.json", "gpu_check/bench_train_350m.log"} <= set(tar.getnames())
+    fig = json.loads((out / "gpu_h200.json").read_text())
+    assert fig["figures_error"].startswith("KeyError: 'phases_s'") and fig["steps"]["bench_train_350m"]["rc"] == 0
+    assert "figures_error = KeyError" in (out / "summary.txt").read_text()

@@ -158,7 +158,7 @@ def _state(trainer) -> dict[str, torch.Tensor]:
 
 def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_check):
     from distsparse.models import backbone_param
-    _, trainer = _trainer(data_dir, out_dir, overrides, bf16_overflow_check=bf16_overflow_check)
+    cfg, trainer = _trainer(data_dir, out_dir, overrides, bf16_overflow_check=bf16_overflow_check)
     trainer.train_step([_batch(rank)])   # a normal step first: Adam state exists on both sides
     trainer.step += 1
     before = _state(trainer)
@@ -174,12 +174,14 @@ def _backbone_nan(rank, world_size, data_dir, out_dir, overrides, bf16_overflow_
     trainer.train_step([_batch(rank)])
     trainer.step += 1
     after = _state(trainer)
+    dense_lr = trainer.engine.optimizer.param_groups[0]["lr"] / cfg.train.lr   # what the next step applies
     trainer.close()
     changed = [k for k in before if not torch.equal(before[k], skipped[k])]
     return {"changed_by_skip": changed, "skipped_metric": metrics.get("optim/skipped_steps"),
             "finite_after": all(bool(torch.isfinite(t).all()) for t in after.values() if t.is_floating_point()),
             "trained_after": [k for k in before if k.startswith("model/") and not torch.equal(skipped[k], after[k])],
-            "num_model": sum(k.startswith("model/") for k in before)}
+            "num_model": sum(k.startswith("model/") for k in before), "dense_lr_factor": dense_lr,
+            "backbone_lr_factor": trainer.lr_scale(), "step": trainer.step}
 
 
 # bf16 ZeRO-2 with DeepSpeed's own overflow check off is where a NaN threshold used to reach the dense weights.
@@ -193,6 +195,8 @@ def test_a_backbone_only_nan_skips_both_sides_with_every_weight_bit_identical(ra
         assert r["skipped_metric"] == 1.0
         assert r["finite_after"], "the next step must start from clean buffers"
         assert len(r["trained_after"]) == r["num_model"], "the next step trains every parameter again"
+        assert r["step"] == 3 and r["dense_lr_factor"] == pytest.approx(r["backbone_lr_factor"], rel=1e-9), \
+            "after a skipped step both sides stay on one step of the schedule"
 
 
 def _count_step_collectives(rank, world_size, data_dir, out_dir, overrides):
@@ -263,3 +267,81 @@ def test_deepspeeds_optimizer_is_restored_even_when_its_step_fails(ranks2, data_
     for seen, restored in ranks2.run(_dense_step_raises, data_dir, str(tmp_path)):
         assert seen == {"patched": list(PATCHED), "check": True, "error": "injected failure inside DeepSpeed's step"}
         assert restored == {"patched": [], "check": False, "clip": 1.0}
+
+
+def _micro_batches(rank: int) -> list[dict[str, torch.Tensor]]:
+    return [_batch(rank), _batch(rank + 2)]   # two micro-batches per rank, four distinct ones over both ranks
+
+
+def _reported_loss_and_norm(rank, world_size, data_dir, out_dir):
+    """One logged step with clipping off and two micro-batches per rank: what the step reports, and a float64
+    reference of the model loss and of the joint gradient norm over all four micro-batches, from a fresh copy."""
+    from distsparse.models import build_model
+    cfg, trainer = _trainer(data_dir, out_dir, ["train.dtype=fp32", "train.grad_clip=0.0", "train.grad_accum=2",
+                                                "train.log_interval=1"])
+    model = build_model(cfg.model, cfg.method, VOCAB, cfg.train.seed).double()
+    model.load_state_dict(trainer.model.state_dict())
+    batches = [b for r in range(world_size) for b in _micro_batches(r)]
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss / len(batches)
+        loss.backward()
+        losses.append(float(loss) * len(batches))
+    norm = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters() if p.grad is not None))
+    metrics = trainer.train_step(_micro_batches(rank))
+    trainer.close()
+    return {"loss": metrics["loss/train"], "norm": metrics.get("optim/grad_norm"), "report": trainer.report.loss,
+            "ref_loss": sum(losses) / len(losses), "ref_norm": norm}
+
+
+def test_a_logged_step_reports_the_mean_model_loss_and_the_joint_norm_even_with_clipping_off(
+        ranks2, data_dir, tmp_path):
+    for r in ranks2.run(_reported_loss_and_norm, data_dir, str(tmp_path)):
+        assert r["loss"] == r["report"] == pytest.approx(r["ref_loss"], rel=1e-5), r
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-4), r
+
+
+def _schedule_of_both_sides(rank, world_size, data_dir, out_dir):
+    """Per step (1-based): the learning rate DeepSpeed applies, the one the backbone rule gets, and whether the
+    backbone step was handed a topology refresh."""
+    cfg, trainer = _trainer(data_dir, out_dir, ["train.dtype=fp32", "train.warmup_steps=3",
+                                                "method.topology.update_interval=2"])
+    seen = {"dense": [], "backbone": [], "refreshed": []}
+    step = trainer.matrix.step
+
+    def recording(lr, clip_coef=1.0, refresh=None):
+        seen["backbone"].append(lr / cfg.method.lr)
+        seen["refreshed"].append(refresh is not None)
+        return step(lr, clip_coef, refresh)
+
+    trainer.matrix.step = recording
+    for _ in range(cfg.train.steps):
+        seen["dense"].append(trainer.engine.optimizer.param_groups[0]["lr"] / cfg.train.lr)
+        trainer.train_step([_batch(rank)])
+        trainer.step += 1
+    trainer.close()
+    return seen
+
+
+def test_both_sides_follow_one_schedule_and_refreshes_fall_on_every_interval_until_t_end(ranks2, data_dir, tmp_path):
+    for r in ranks2.run(_schedule_of_both_sides, data_dir, str(tmp_path)):
+        assert len(r["dense"]) == 6 and len(set(r["dense"])) == 5, "warmup, then decay: the factor moves"
+        assert r["backbone"] == pytest.approx(r["dense"], rel=1e-6), "the same step of the schedule on both sides"
+        # update_interval 2, T_end = int(0.75 * 6) = 4: steps 2 and 4 refresh, none after T_end.
+        assert [s for s, done in enumerate(r["refreshed"], start=1) if done] == [2, 4]
+
+
+def _refresh_metrics_of_two_ranks(rank, world_size):
+    from distsparse.train.topology_policy import refresh_metrics
+    stats = {f"model.layers.{rank}.self_attn.q_proj": {"groups_selected": 10.0 * (rank + 1),
+                                                        "groups_changed": 2.0 * (rank + 1), "mpr_exclusions": rank,
+                                                        "links_changed": 5.0, "zeta": 0.3, "temperature": 2.0}}
+    return refresh_metrics(stats, seconds=0.1 * (rank + 1))
+
+
+def test_refresh_metrics_sum_counts_over_ranks_and_keep_the_step_s_zeta(ranks2):
+    for out in ranks2.run(_refresh_metrics_of_two_ranks):
+        assert out == pytest.approx({
+            "topology/refresh_s": 0.2, "topology/q_proj/groups_selected": 30.0,
+            "topology/q_proj/effective_refresh_rate": 6.0 / 30.0, "topology/q_proj/mpr_exclusions": 1.0,
+            "topology/q_proj/links_changed": 10.0, "topology/zeta": 0.3, "topology/temperature": 2.0})

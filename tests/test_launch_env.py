@@ -96,8 +96,9 @@ def test_srun_with_one_task_and_plain_python_are_worlds_of_one_on_a_free_port():
     ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK: got 'x'; allowed: an integer >= 0"),
     ({**srun_task(0, 0, 0), "SLURM_STEP_NODELIST": "", "SLURM_JOB_NODELIST": ""}, "no SLURM_STEP_NODELIST"),
     ({k: v for k, v in srun_task(1, 1, 0).items() if k != "SLURM_JOB_ID"}, "no SLURM_JOB_ID"),
+    (srun_task(8, 0, 1), "SLURM_PROCID: got 8 with SLURM_STEP_NUM_TASKS 8; allowed: 0 .. 7"),
 ], ids=["batch-script", "world-without-rank", "rank-without-world", "no-local-rank", "no-master", "rank-range",
-        "not-an-integer", "srun-no-nodelist", "srun-no-job-id"])
+        "not-an-integer", "srun-no-nodelist", "srun-no-job-id", "srun-rank-range"])
 def test_a_launch_that_cannot_form_one_world_is_refused_with_how_to_launch(environ, message):
     with pytest.raises(LaunchError) as err:
         resolve(environ, find_port=lambda: 31337)
@@ -188,3 +189,45 @@ def test_srun_alone_forms_one_world_of_two_not_two_worlds_of_one(tmp_path):
     assert final.manifest["step"] == 2 and final.manifest["world_size"] == 2
     assert f"launch: srun, rank 0 of world 2 (local rank 0 of 2), rendezvous localhost:{port_for_job(job, step)}" \
         in logs[0], logs[0][-3000:]
+
+
+class _GroupStarted(Exception):
+    """Raised by the fake init_process_group: the test ends where the process group would start."""
+
+
+@pytest.mark.parametrize("environ, visible, expected", [
+    # srun task 3 of 8 on a node that binds one GPU per task (--gpus-per-task=1): LOCAL_RANK 3, one visible device.
+    (srun_task(3, 3, 0), 1, {"backend": "nccl", "device_id": "cuda:0", "set_device": 0}),
+    # torchrun rank 11 (local rank 3) on a node whose 8 GPUs every rank sees.
+    (TORCHRUN, 8, {"backend": "nccl", "device_id": "cuda:3", "set_device": 3}),
+    # plain python: a world of one is not bound (DeepSpeed's own rule: no NCCL split without a peer).
+    ({}, 1, {"backend": "nccl", "device_id": None, "set_device": 0}),
+], ids=["srun-one-gpu-per-task", "torchrun-all-gpus", "single"])
+def test_the_process_group_starts_on_the_gpu_the_launcher_chose_not_on_cuda_local_rank(
+        environ, visible, expected, tmp_path, monkeypatch):
+    """launch/pretrain.py up to the start of the process group, on a CUDA node faked around it: torch refuses a
+    device_id out of range (cuda:3 with one visible device), which deepspeed.init_distributed alone would hand it."""
+    import torch
+    import torch.distributed as dist
+    from launch import pretrain
+
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        device = kwargs.get("device_id")
+        seen.update(backend=backend, device_id=None if device is None else str(device))
+        raise _GroupStarted
+
+    data = make_data_dir(tmp_path / "data")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))
+             and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    monkeypatch.setattr(os, "environ", {**clean, **environ})   # what the launch leaves; apply's exports stay here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: seen.update(set_device=index))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    with pytest.raises(_GroupStarted):
+        pretrain.main(["--ds_config", str(ROOT / "configs/ds/zero2.json"), "model.preset=tiny", "data.seq_len=32",
+                       f"data.dir={data}", f"train.out_dir={tmp_path / 'run'}"])
+    assert seen == expected

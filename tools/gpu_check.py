@@ -19,7 +19,8 @@ Steps, each a subprocess (and its children) under its own time limit; the limits
 Everything a step writes goes to a scratch folder; what comes back is OUTDIR with three files (the run tool returns
 at most 8 files of at most 16 MiB): gpu_check.tar.gz (every step's log and JSON, pytest's junit XML; logs cut to
 their last 2 MiB), summary.txt (the table printed last) and gpu_h200.json (the figures in docs/results/ shape:
-`chts_1of4_tans_over_dense_adamw` at 350m and the rest, `machine`, `config`). Exit code 1 if any step failed.
+`chts_1of4_tans_over_dense_adamw` at 350m and the rest, `machine`, `config`). Exit code 1 if any step failed, or
+if a step's JSON could not be read (`figures_error`; the files still come back).
 """
 
 from __future__ import annotations
@@ -229,8 +230,7 @@ def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str,
     if inference and "models" in inference.get("gpu", {}):
         out["inference_2of4_speedup"] = {size: m.get("speedup_mean", m.get("skipped"))
                                          for size, m in inference["gpu"]["models"].items()}
-    out["steps"] = {o.name: {"rc": o.rc, "seconds": round(o.seconds, 1), "limit_s": o.limit_s, "note": o.note}
-                    for o in outcomes}
+    out["steps"] = step_table(outcomes)
     machine = next((d["machine"] for d in data.values() if d and "machine" in d), None)
     out["machine"] = machine
     out["config"] = {
@@ -249,6 +249,21 @@ def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str,
     return out
 
 
+def step_table(outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    return {o.name: {"rc": o.rc, "seconds": round(o.seconds, 1), "limit_s": o.limit_s, "note": o.note}
+            for o in outcomes}
+
+
+def figures_or_error(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str, Any]:
+    """`figures`, or, when a step's JSON is not in the shape it reads, the error and the step table: the logs and
+    JSON files still come back in the tarball (a GPU check is not rerun lightly)."""
+    try:
+        return figures(steps, outcomes, work)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+        return {"figures_error": f"{type(err).__name__}: {err} (read the step JSON files in the tarball)",
+                "steps": step_table(outcomes)}
+
+
 def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
     width = max(len(o.name) for o in outcomes)
     lines = [f"{'step':{width}s}  {'rc':>4s}  {'seconds':>7s}  {'limit':>5s}  note"]
@@ -256,8 +271,8 @@ def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
         rc = "-" if o.rc is None else str(o.rc)
         lines.append(f"{o.name:{width}s}  {rc:>4s}  {o.seconds:7.1f}  {o.limit_s:5d}  {o.note}")
     lines.append("")
-    for key in ("chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m", "tans_share_of_step_350m",
-                "tans_share_of_step_60m", "resume_bit_identical"):
+    for key in ("figures_error", "chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m",
+                "tans_share_of_step_350m", "tans_share_of_step_60m", "resume_bit_identical"):
         if key in fig:
             lines.append(f"{key} = {fig[key]}")
     for size in ("60m", "350m"):
@@ -319,12 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"gpu_h200.json")
             return 0
         outcomes = run_all(steps, work)
-        fig = figures(steps, outcomes, work)
+        fig = figures_or_error(steps, outcomes, work)
         table = summary_table(outcomes, fig)
         (work / "summary.txt").write_text(table)
         package(work, out, table, fig)
     print("== summary\n" + table, flush=True)
-    return 1 if any(failed(o) for o in outcomes) else 0
+    return 1 if any(failed(o) for o in outcomes) or "figures_error" in fig else 0
 
 
 if __name__ == "__main__":

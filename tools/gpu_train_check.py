@@ -135,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from distsparse import launch_env
     from distsparse.train.ds_config import build_ds_config, resolve_dtype
     env = launch_env.resolve_here()
-    import deepspeed
-    device = launch_env.apply(env)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = launch_env.start(env)
     logging.info(launch_env.describe(env, device))
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode also fills every torch.empty with NaN by default: DeepSpeed's large flat buckets make

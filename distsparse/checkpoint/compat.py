@@ -77,11 +77,19 @@ def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[
 
 def check_resume(cfg: Config, meta: dict) -> None:
     """Before any process group: refuse a resume path that is no checkpoint, and a checkpoint that does not match
-    the run. `auto` checks the checkpoint it would pick from manifests and sizes (digests come later, per rank)."""
+    the run. `auto` checks the checkpoint it would pick from manifests and sizes (digests come later, per rank),
+    and refuses a root whose checkpoints are all damaged. A fresh start (resume '') is refused where checkpoints
+    already are: its own would mix with them, and `auto` and `keep_last` go by step number (a later `auto` would
+    pick the old run's newest, pruning would delete the new run's first)."""
     resume = cfg.checkpoint.resume
-    if not resume:
-        return
     root = checkpoint_root(cfg)
+    if not resume:
+        existing = candidates(root)
+        if existing:
+            raise ValueError(f"checkpoint.resume: got '' (start fresh), but {root} holds checkpoints "
+                             f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}); "
+                             f"allowed: auto (continue that run), or another checkpoint.dir or train.out_dir")
+        return
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
@@ -92,12 +100,17 @@ def check_resume(cfg: Config, meta: dict) -> None:
         except CheckpointError as err:
             raise ValueError(f"checkpoint.resume: got {resume!r}: {err}") from None
     else:
+        damaged = []
         for path in candidates(root):
             try:
                 manifest = read_manifest(path)
                 break
-            except CheckpointError:
-                continue   # the trainer skips it too, with a warning naming the file
+            except CheckpointError as err:
+                damaged.append(str(err))   # the trainer skips it too, with a warning naming the file
         else:
+            if damaged:
+                raise ValueError(f"checkpoint.resume: auto, but no checkpoint under {root} is intact: "
+                                 f"{'; '.join(damaged)}; allowed: repair or remove them, or another checkpoint.dir "
+                                 f"to start a new run")
             return         # nothing to resume: the run starts fresh
     resume_changes(manifest, path, cfg, meta)

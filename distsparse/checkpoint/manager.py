@@ -142,11 +142,15 @@ class CheckpointManager:
 
     def find(self, resume: str, wanted: Callable[[str], bool] = lambda rel: True) -> LoadedCheckpoint | None:
         """Collective. `auto`: the newest checkpoint under root that every rank found intact (falling back past
-        damaged ones with a warning naming the file), None when there is none; otherwise the checkpoint directory
-        `resume`, refused with CheckpointError naming the file if any rank found it damaged. `wanted` limits the
-        digest checks to the files the caller will read (evaluation reads no DeepSpeed file)."""
+        damaged ones with a warning naming the file), None when root holds no checkpoint, CheckpointError naming
+        every damaged file when it holds some and none is intact (starting over would silently drop the run);
+        otherwise the checkpoint directory `resume`, refused with CheckpointError naming the file if any rank found
+        it damaged. `wanted` limits the digest checks to the files the caller will read (evaluation reads no
+        DeepSpeed file)."""
         explicit = resume != "auto"
-        for path in [Path(resume)] if explicit else candidates(self.root):
+        paths = [Path(resume)] if explicit else candidates(self.root)
+        skipped = []
+        for path in paths:
             manifest = None
             try:
                 manifest = read_manifest(path)
@@ -161,6 +165,10 @@ class CheckpointManager:
                 raise CheckpointError("; ".join(found))
             if self.rank == 0:
                 log.warning("resume auto: skipping %s: %s", path, "; ".join(found))
+            skipped.extend(found)
+        if skipped:
+            raise CheckpointError(f"resume auto: no checkpoint under {self.root} is intact: {'; '.join(skipped)}. "
+                                  f"Allowed: repair or remove them, or another checkpoint.dir to start a new run")
         return None
 
     # ---- load ----------------------------------------------------------------------------------------------

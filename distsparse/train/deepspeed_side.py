@@ -14,7 +14,8 @@ stage_1_and_2.py) offers it:
     both sides skip      `step` skips (zero_grad, no Adam update, no scheduler step, `was_step_applied()` False)
                          when `check_overflow()` sets `overflow`; with `check_grad_overflow` on it is called in fp32
                          and bf16 alike. The joint step decides and `check_overflow` reports that decision, so a
-                         non-finite backbone gradient skips the dense side and nothing non-finite reaches Adam.
+                         non-finite backbone gradient skips the dense side and nothing non-finite reaches Adam. The
+                         LR scheduler is then stepped here: the schedule follows the step index on both sides.
 
 `step` swaps `scaled_global_norm`, `check_overflow` and `check_grad_overflow` on the optimizer instance for the one
 call and restores them in `finally`, where it also sets the clip threshold to train.grad_clip (as it does before
@@ -103,3 +104,7 @@ class DeepSpeedSide:
         if applied == skip:
             raise RuntimeError(f"DeepSpeed step applied: {applied}, joint step asked to skip: {skip} "
                                f"(deepspeed internals differ from 0.19.8?)")
+        if skip and self.engine.lr_scheduler is not None:
+            # DeepSpeed holds its schedule on a skipped step; the backbone's LR is a function of the step index, as
+            # is the dense side's after an elastic resume (dense_state.restore_dense_state): keep both on one step.
+            self.engine.lr_scheduler.step()
