@@ -312,6 +312,11 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio: got {self.min_lr_ratio}; allowed: [0, 1]")
+        for key in ("beta1", "beta2"):   # AdamW's own check would fire inside DeepSpeed, after the process group
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"train.{key}: got {getattr(self, key)}; allowed: [0, 1)")
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("train.eval_samples", self.eval_samples, allow_zero=True)
         _choice("train.dtype", self.dtype, DTYPES)
 
 

@@ -19,6 +19,10 @@ from distsparse.train.validate import validate
     ("model.preset=2b", ["model.preset", "'2b'", "60m"]),
     ("method.sparsity=none", ["method.sparsity", "'none'", "backbone 'dense'"]),
     ("train.min_lr_ratio=2", ["train.min_lr_ratio", "2", "[0, 1]"]),
+    ("train.beta1=1.5", ["train.beta1", "1.5", "[0, 1)"]),
+    ("train.beta2=-1", ["train.beta2", "-1", "[0, 1)"]),
+    ("train.weight_decay=-0.1", ["train.weight_decay", "-0.1", ">= 0"]),
+    ("train.eval_samples=-5", ["train.eval_samples", "-5", ">= 0"]),
 ])
 def test_bad_config_values_name_key_value_and_allowed(override, words):
     with pytest.raises(ValueError) as err:

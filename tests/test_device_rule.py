@@ -99,6 +99,22 @@ def test_scalar_collectives_take_their_tensors_on_the_named_device(ranks2):
     assert seen0 and {device for _, device in seen0} == {"cpu"}
 
 
+def _uneven_refresh(rank, world_size):
+    """Rank 1's q_proj matrix selected no group this refresh; it still ran the same schedule (zeta, T)."""
+    from distsparse.train.topology_policy import refresh_metrics
+    stats = {f"model.layers.{rank}.self_attn.q_proj": {"groups_selected": 0.0 if rank else 8.0, "groups_changed": 0.0,
+                                                       "mpr_exclusions": 0.0, "links_changed": 0.0,
+                                                       "zeta": 0.04, "temperature": 2.0}}
+    return refresh_metrics(stats, seconds=0.1)
+
+
+def test_refresh_schedule_metrics_average_over_the_ranks_that_refreshed(ranks2):
+    m0, m1 = ranks2.run(_uneven_refresh)
+    assert m0 == m1
+    assert m0["topology/q_proj/groups_selected"] == 8.0
+    assert m0["topology/zeta"] == pytest.approx(0.04) and m0["topology/temperature"] == pytest.approx(2.0)
+
+
 def _tiny_backbone(layers: int = 1):
     cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row",
                              f"model.num_hidden_layers={layers}"])

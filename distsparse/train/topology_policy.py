@@ -38,26 +38,26 @@ class TopologyPolicy:
 
 
 def refresh_metrics(stats: dict[str, dict], seconds: float) -> dict[str, float]:
-    """Per layer type sums over every rank's owned matrices; one all-reduce of a fixed-order vector."""
+    """Per layer type sums over every rank's owned matrices; zeta and T averaged over the ranks that refreshed a
+    matrix of that type (each rank reports them once per type: they are the same on every matrix of a step). One
+    all-reduce of a fixed-order vector, one max of the seconds."""
     # Host-side bookkeeping (the stats are Python floats); dist_sum moves it to the collectives' device.
-    vec = torch.zeros(len(PROJECTIONS), len(STAT_KEYS) + 2, dtype=torch.float64, device="cpu")
+    vec = torch.zeros(len(PROJECTIONS), len(STAT_KEYS) + 3, dtype=torch.float64, device="cpu")
     for name, s in stats.items():
         row = PROJECTIONS.index(name.rsplit(".", 1)[-1])
         for j, key in enumerate(STAT_KEYS):
             vec[row, j] += s.get(key, 0.0)
-        vec[row, -2], vec[row, -1] = s["zeta"], s["temperature"]   # same on every matrix of a step
-    present = (vec[:, 0] > 0).double()
+        vec[row, -3:] = torch.tensor([s["zeta"], s["temperature"], 1.0], dtype=torch.float64, device="cpu")
     vec = ddist.dist_sum(vec)
-    present = ddist.dist_sum(present).clamp(min=1)
     out = {"topology/refresh_s": ddist.dist_max(seconds)}
     for i, proj in enumerate(PROJECTIONS):
-        if vec[i, 0] == 0:
+        sel, ranks = vec[i, 0], vec[i, -1]
+        if sel == 0:
             continue
-        sel = vec[i, 0]
         out[f"topology/{proj}/groups_selected"] = float(sel)
         out[f"topology/{proj}/effective_refresh_rate"] = float(vec[i, 1] / sel)
         out[f"topology/{proj}/mpr_exclusions"] = float(vec[i, 2])
         out[f"topology/{proj}/links_changed"] = float(vec[i, 3])
-        out["topology/zeta"] = float(vec[i, -2] / present[i])
-        out["topology/temperature"] = float(vec[i, -1] / present[i])
+        out["topology/zeta"] = float(vec[i, -3] / ranks)
+        out["topology/temperature"] = float(vec[i, -2] / ranks)
     return out
