@@ -47,6 +47,24 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ValueError(f"{key}: got {value!r}; allowed: a number {'>= 0' if allow_zero else '> 0'}")
 
 
+def _typed_value(path: str, value: Any, tp: Any) -> Any:
+    """`value` checked against the field type `tp` (`X | None` admits null), floats given as YAML strings read as
+    numbers; ValueError naming `path`, the value and the type otherwise."""
+    optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+    if optional and value is None:
+        return None
+    tp = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
+    if tp is float and isinstance(value, str):
+        try:
+            value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
+    if not _type_ok(value, tp):
+        raise ValueError(f"{path}: got {value!r} ({type(value).__name__}); allowed: a {tp.__name__}"
+                         f"{' or null' if optional else ''}")
+    return float(value) if tp is float else value
+
+
 def build_settings(cls: type, data: dict, key: str, **fixed: Any) -> Any:
     """A typed settings dataclass (rule hyperparameters, refresh parameters, latent options) from the mapping under
     config key `key`: an unknown key, a wrong type or a bad value fails naming `key.field`, the value and what is
@@ -62,21 +80,7 @@ def build_settings(cls: type, data: dict, key: str, **fixed: Any) -> Any:
                              f"allowed: {', '.join(allowed)}")
         if name not in allowed:
             raise ValueError(f"{key}: got unknown key {name!r}; allowed: {', '.join(allowed)}")
-        tp = hints[name]
-        optional = typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
-        if optional and value is None:
-            kwargs[name] = None
-            continue
-        tp = next(a for a in typing.get_args(tp) if a is not type(None)) if optional else tp
-        if tp is float and isinstance(value, str):
-            try:
-                value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string
-            except ValueError:
-                pass
-        if not _type_ok(value, tp):
-            raise ValueError(f"{key}.{name}: got {value!r} ({type(value).__name__}); allowed: "
-                             f"a value of type {tp.__name__}{' or null' if optional else ''}")
-        kwargs[name] = float(value) if tp is float else value
+        kwargs[name] = _typed_value(f"{key}.{name}", value, hints[name])
     try:
         return cls(**kwargs)
     except ValueError as err:
@@ -407,17 +411,7 @@ def build_dataclass(cls: type, data: dict, prefix: str) -> Any:
             raise ValueError(f"unknown config key {path!r}; allowed in {prefix or 'the top level'}: "
                              f"{', '.join(sorted(names))}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = build_dataclass(tp, value, path)
-            continue
-        if tp is float and isinstance(value, str):
-            try:
-                value = float(value)   # YAML 1.1 reads 1e-3 (no dot) as a string
-            except ValueError:
-                pass
-        if not _type_ok(value, tp):
-            raise ValueError(f"{path}: got {value!r} ({type(value).__name__}); allowed: a {tp.__name__}")
-        kwargs[key] = float(value) if tp is float else value
+        kwargs[key] = build_dataclass(tp, value, path) if dataclasses.is_dataclass(tp) else _typed_value(path, value, tp)
     return cls(**kwargs)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adam_readback import applied_coefficient
 from distsparse.config import load_config
 from distsparse.train.ds_config import build_ds_config
 
@@ -39,20 +40,6 @@ def _mean_gradients(model, world_size: int) -> dict[str, torch.Tensor]:
             if p.grad is not None:
                 grads[n] += p.grad.double() / world_size
     return grads
-
-
-def _applied_coefficient(before: dict, after: dict, grads: dict, names: set[str]) -> float:
-    """The clip coefficient c that one bias-corrected Adam step (weight decay 0) applied to `names`.
-
-    Step one moves a weight by d = -lr c g / (c |g| + eps) with g the mean gradient; with lr = eps = 1 that is
-    c (g + d |g|) = -d for every entry, solved for c by least squares over all of them.
-    """
-    num = den = 0.0
-    for name in names:
-        g, d = grads[name], (after[name] - before[name]).double()
-        a = g + d * g.abs()
-        num, den = num - float((d * a).sum()), den + float((a * a).sum())
-    return num / den
 
 
 def _clip_one_step(rank, world_size, max_norm, stage):
@@ -109,7 +96,7 @@ def test_joint_clip_factor_equals_the_one_from_all_gradients_in_one_process(rank
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= dense_names
     for r in (r0, r1):
         for side in (dense_names, r0["backbone"]):
-            assert _applied_coefficient(r["before"], r["after"], ref, side) == pytest.approx(ref_coef, rel=1e-5)
+            assert applied_coefficient(r["before"], r["after"], ref, side) == pytest.approx(ref_coef, rel=1e-5)
     ref_dense = math.sqrt(sum(float(ref[n].square().sum()) for n in dense_names))
     assert max_norm / ref_dense != pytest.approx(ref_coef, rel=1e-5)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from adam_readback import applied_coefficient
 from distsparse.config import load_config
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
@@ -69,16 +70,6 @@ def _reference_gradients(cfg, trainer, world_size) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _applied_coefficient(before, after, grads, names) -> float:
-    """Least-squares c of c (g + d |g|) = -d over `names` (module docstring)."""
-    num = den = 0.0
-    for name in names:
-        g, d = grads[name], (after[name] - before[name]).double()
-        a = g + d * g.abs()
-        num, den = num - float((d * a).sum()), den + float((a * a).sum())
-    return num / den
-
-
 def _weights(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
@@ -124,7 +115,7 @@ def _clip_then_no_clip(rank, world_size, data_dir, out_dir):
         out["clip_after"].append(trainer.engine.optimizer.clip_grad)
         out["clip_saved"].append(_saved_clip(trainer.save(), rank))
         out["coef_reported"].append(metrics["optim/clip_coef"])
-        out["applied"].append({side: _applied_coefficient(before, after, grads, names)
+        out["applied"].append({side: applied_coefficient(before, after, grads, names)
                                for side, names in (("dense", dense), ("backbone", backbone))})
     trainer.close()
     return out
