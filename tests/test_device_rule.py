@@ -7,6 +7,8 @@ Two tools make device mistakes visible without a GPU:
   it would under NCCL with a CPU tensor.
 - `recorded_collectives`: wraps torch.distributed's collectives and asserts that every tensor handed to one lives
   on `ddist.comm_device(group)`.
+- `meta_named`: the one place (`ddist.backend_device`) made to name `meta` instead of the CPU, as it names cuda:N
+  under NCCL, so a wire tensor staged on the CPU by name (which gloo accepts) fails as NCCL would refuse it.
 """
 
 from __future__ import annotations
@@ -212,6 +214,90 @@ def test_forced_collectives_without_a_process_group_are_refused():
     _, _, backbone = _tiny_backbone()
     with pytest.raises(ValueError, match="engine.force_collectives: got True without a process group"):
         MatrixEngine(backbone, rule="adam", hparams=get_rule("adam").hparams(lr=1e-3), force_collectives=True)
+
+
+# ---- the one place made to name a device other than the CPU (as it names cuda:N under NCCL) -------------------
+
+class _Reached(Exception):
+    """Raised by the fake collectives of `meta_named`: a collective was handed its tensors on the named device."""
+
+
+@pytest.fixture
+def meta_named(monkeypatch):
+    """One process in a faked process group of one whose backend device, as `ddist.backend_device` names it, is
+    `meta` (standing in for cuda:N under NCCL). Every collective is replaced by a check that all of its tensors are
+    on that device; the call then ends with _Reached (a meta tensor holds no value to go on with). A tensor staged
+    on the CPU for a collective, by name or by default, fails the check, as NCCL refuses it. Returns the names of
+    the collectives reached."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(ddist, "backend_device", lambda backend: torch.device("meta"))
+    reached: list = []
+
+    def fake(name):
+        def call(*args, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if isinstance(t, torch.Tensor)]
+            devices = {t.device.type for t in tensors}
+            assert tensors and devices == {"meta"}, f"{name}: tensors on {devices}; the named device is meta"
+            reached.append(name)
+            raise _Reached(name)
+        return call
+
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, fake(name))
+    return reached
+
+
+def test_scalar_collectives_take_their_tensors_on_the_named_device_when_it_is_not_the_cpu(meta_named):
+    from distsparse.train.topology_policy import refresh_metrics
+    assert ddist.comm_device() == torch.device("meta")
+    calls = {"sum of a float": lambda: ddist.dist_sum(2.0),
+             "sum of a CPU tensor": lambda: ddist.dist_sum(torch.ones(3)),
+             "max": lambda: ddist.dist_max(1.0), "any": lambda: ddist.any_rank(True),
+             "refresh metrics": lambda: refresh_metrics(_stats(0), seconds=0.5)}
+    for what, call in calls.items():
+        with pytest.raises(_Reached):
+            call()
+        assert len(meta_named) == list(calls).index(what) + 1, what
+    assert meta_named == ["all_reduce"] * len(calls)
+
+
+@pytest.mark.parametrize("grad_accum_mode", ["full", "sharded"])
+def test_engine_collectives_take_their_tensors_on_the_named_device_when_it_is_not_the_models(meta_named,
+                                                                                           grad_accum_mode):
+    """The model (and so the engine) on the CPU, the backend's device elsewhere: gradient buckets, the norm and
+    finiteness sums, the code and value gathers all stage their wire tensors on the named device."""
+    from distsparse.config import TopologyConfig
+    from distsparse.optim.engine import MatrixEngine
+    from distsparse.optim.rules import get_rule
+    from distsparse.train.topology_policy import TopologyPolicy
+
+    _, _, backbone = _tiny_backbone()
+    engine = MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(lr=1e-2), device="cpu",
+                          force_collectives=True, grad_accum_mode=grad_accum_mode, micro_batches=2,
+                          bucket_bytes=4 * 4000)
+    assert engine.comm_device == torch.device("meta") and engine.device == torch.device("cpu")
+    engine.start_boundary()
+    with pytest.raises(_Reached):   # the first complete bucket launches its reduce from the gradient hook
+        for name in engine.grad_layout[0].names:
+            engine.grads.add(name, torch.zeros(backbone_numel(backbone[name])))
+    topology = TopologyPolicy(TopologyConfig(enabled=True, update_interval=2), total_steps=4, seed=7)
+    for call in (engine.grad_sq_norm, engine.grads_finite, lambda: engine.step(1e-2, 1.0),
+                 lambda: engine.step(1e-2, 1.0, refresh=topology.refresh_fn(2))):
+        with pytest.raises(_Reached):
+            call()
+    reduce = "reduce_scatter_tensor" if grad_accum_mode == "full" else "reduce_scatter"
+    assert meta_named[0] in (reduce, "reduce_scatter_tensor")
+    assert meta_named[1:] == ["all_reduce", "all_reduce", "all_gather_into_tensor", "all_gather_into_tensor"]
+
+
+def backbone_numel(module) -> int:
+    from distsparse.models import backbone_param
+    return backbone_param(module).numel()
 
 
 # ---- the trainer: engine built where DeepSpeed put the model, masters from the model before the cast ----------
