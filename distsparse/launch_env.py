@@ -13,8 +13,9 @@ What each launcher leaves in the environment, in the order it is recognised:
     nothing              plain `python`: a world of one on a free local port
 
 A multi-task launch that none of these describes is refused with a message that says how to launch, never run
-as N worlds of one: WORLD_SIZE > 1 without RANK, or a SLURM allocation of several tasks seen from outside an srun
-step (the batch script, an salloc shell).
+as N worlds of one: WORLD_SIZE > 1 without RANK, a SLURM allocation of several tasks seen from outside an srun
+step (the batch script, an salloc shell), or an MPI launch that sets only its own rank variables (`mpirun -np 8`,
+`deepspeed --launcher openmpi`: OMPI_COMM_WORLD_SIZE, PMI_SIZE or MV2_COMM_WORLD_SIZE > 1 without RANK).
 
 `resolve` is a pure function of an environ mapping (the node-list expander and the free-port finder are
 arguments) and `LaunchEnv.device_index` of a device count, so every case is tested on CPU with fake
@@ -32,6 +33,9 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from itertools import product
+
+# World sizes MPI launchers set (Open MPI, MPICH / Intel MPI's PMI, MVAPICH2) without RANK: refused, not read.
+MPI_WORLD_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
 # MASTER_PORT of an srun launch: every task of the step computes the same port without talking to the others.
 PORT_MIN, PORT_SPAN = 20000, 40000
@@ -248,6 +252,11 @@ def resolve(environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = 
                           f"know its rank. {HOW_TO_LAUNCH}")
     if "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
         return _from_srun(environ, hostnames, find_port)
+    for name in MPI_WORLD_SIZES:
+        if environ.get(name, "").strip() not in ("", "1"):
+            raise LaunchError(f"{name} is {environ[name]!r} but RANK is not set: an MPI launch (mpirun, deepspeed "
+                              f"--launcher openmpi) is not read here, each process would train alone. "
+                              f"{HOW_TO_LAUNCH}")
     tasks = environ.get("SLURM_NTASKS") or environ.get("SLURM_NPROCS")
     if tasks and tasks.strip() != "1":
         raise LaunchError(f"SLURM_NTASKS is {tasks!r} but this process is not one of srun's tasks (no "

@@ -79,8 +79,12 @@ def test_srun_with_one_task_and_plain_python_are_worlds_of_one_on_a_free_port():
            "SLURM_LOCALID": "0"}
     assert resolve(one, find_port=lambda: 31337) == LaunchEnv("srun", 0, 1, 0, None, "127.0.0.1", 31337)
     assert resolve({}, find_port=lambda: 31338) == LaunchEnv("single", 0, 1, 0, 1, "127.0.0.1", 31338)
-    # A one-task SLURM allocation seen from its batch script is a world of one too.
+    # A one-task SLURM allocation seen from its batch script is a world of one too, and so is `mpirun -np 1`.
     assert resolve({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, find_port=lambda: 31339).world_size == 1
+    assert resolve({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}, find_port=lambda: 31340) == \
+        LaunchEnv("single", 0, 1, 0, 1, "127.0.0.1", 31340)
+    # srun with an MPI plugin sets PMI_SIZE in every task: srun's own variables place it.
+    assert resolve(srun_task(3, 3, 0, PMI_SIZE="8", PMI_RANK="3"), find_port=no_port).rank == 3
 
 
 @pytest.mark.parametrize("environ, message", [
@@ -97,8 +101,12 @@ def test_srun_with_one_task_and_plain_python_are_worlds_of_one_on_a_free_port():
     ({**srun_task(0, 0, 0), "SLURM_STEP_NODELIST": "", "SLURM_JOB_NODELIST": ""}, "no SLURM_STEP_NODELIST"),
     ({k: v for k, v in srun_task(1, 1, 0).items() if k != "SLURM_JOB_ID"}, "no SLURM_JOB_ID"),
     (srun_task(8, 0, 1), "SLURM_PROCID: got 8 with SLURM_STEP_NUM_TASKS 8; allowed: 0 .. 7"),
+    # mpirun -np 8 (or deepspeed --launcher openmpi): Open MPI's own variables only, no RANK.
+    ({"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "3"},
+     "OMPI_COMM_WORLD_SIZE is '8' but RANK is not set"),
+    ({"PMI_SIZE": "4", "PMI_RANK": "1"}, "PMI_SIZE is '4' but RANK is not set"),
 ], ids=["batch-script", "world-without-rank", "rank-without-world", "no-local-rank", "no-master", "rank-range",
-        "not-an-integer", "srun-no-nodelist", "srun-no-job-id", "srun-rank-range"])
+        "not-an-integer", "srun-no-nodelist", "srun-no-job-id", "srun-rank-range", "mpirun", "pmi"])
 def test_a_launch_that_cannot_form_one_world_is_refused_with_how_to_launch(environ, message):
     with pytest.raises(LaunchError) as err:
         resolve(environ, find_port=lambda: 31337)
