@@ -12,6 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from rankpool import import_tool
 
@@ -152,6 +153,28 @@ def test_train_check_runs_the_real_trainer_and_its_resumed_run_continues_bit_ide
     assert result["refreshes_a"] == [3, 6] and result["refreshes_b"] == [6]
     assert sorted(map(int, result["losses_b"])) == [5, 6, 7, 8]
     assert result["config"]["launch"] == "single" and result["config"]["world_size"] == 1
+
+
+def test_train_check_runs_attention_on_the_deterministic_math_backend():
+    """Flash and memory-efficient attention keep a non-deterministic backward under warn_only determinism: the
+    check would compare two runs that may differ in their last bits for no resume defect."""
+    check = import_tool("gpu_train_check")
+    cuda = torch.backends.cuda
+    flags = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.cudnn_sdp_enabled(),
+             cuda.math_sdp_enabled())
+    mode = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory)
+    try:
+        check.deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not (cuda.flash_sdp_enabled() or cuda.mem_efficient_sdp_enabled() or cuda.cudnn_sdp_enabled())
+        assert cuda.math_sdp_enabled()
+    finally:
+        for enable, flag in zip((cuda.enable_flash_sdp, cuda.enable_mem_efficient_sdp, cuda.enable_cudnn_sdp,
+                                 cuda.enable_math_sdp), flags):
+            enable(flag)
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+        torch.utils.deterministic.fill_uninitialized_memory = mode[2]
 
 
 def test_the_resume_comparison_flags_any_difference():

@@ -9,8 +9,10 @@ Passes when B's per-step training losses, its final validation loss and the hash
 state_dict: values, codes, dense side; matrix engine state_dict: fp32 masters and rule state) equal A's exactly.
 `method.topology.update_interval` is small so that refreshes fall on both sides of K. Deterministic kernels are
 requested (torch.use_deterministic_algorithms, warn_only, and CUBLAS_WORKSPACE_CONFIG) so that a difference is a
-resume defect, not an atomic-add race. The data is a synthetic token stream (uniform tokens, tools/bench_train.py)
-written on the spot at the model's vocabulary (32000 for the named sizes).
+resume defect, not an atomic-add race; attention runs on SDPA's math backend, as flash and memory-efficient
+attention keep their non-deterministic backward (atomic dQ accumulation) when determinism is only warned about.
+The data is a synthetic token stream (uniform tokens, tools/bench_train.py) written on the spot at the model's
+vocabulary (32000 for the named sizes).
 
     python tools/gpu_train_check.py --out DIR --json check.json [--model 60m] [--steps 30] [--save-at 15] \\
         [key=value ...]        # e.g. engine.force_collectives=true
@@ -54,6 +56,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 < args.save_at < args.steps:
         p.error(f"--save-at: got {args.save_at}; allowed: 1 .. {args.steps - 1} (--steps {args.steps})")
     return args
+
+
+DETERMINISM = ("torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG, SDPA math "
+               "backend only (flash, memory-efficient and cuDNN attention off)")
+
+
+def deterministic_kernels() -> None:
+    """Kernels that give the same bits for the same inputs, so that runs A and B agree where they should."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic mode also fills every torch.empty with NaN by default: DeepSpeed's large flat buckets make
+    # that seconds per step, and the kernels stay deterministic without it.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    # With warn_only, flash and memory-efficient attention only warn and keep their atomic dQ accumulation in the
+    # backward (torch docs, notes/randomness: CUDA SDPA); the math backend is deterministic (60m at 256 tokens:
+    # its S x S scores are small).
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_math_sdp(True)
 
 
 def run_config(args: argparse.Namespace, data: str, out: Path, extra: list[str]):
@@ -137,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     env = launch_env.resolve_here()
     device = launch_env.start(env)
     logging.info(launch_env.describe(env, device))
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    # Deterministic mode also fills every torch.empty with NaN by default: DeepSpeed's large flat buckets make
-    # that seconds per step, and the kernels stay deterministic without it.
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    deterministic_kernels()
 
     out = Path(args.out)
     if env.rank == 0 and out.exists():
@@ -172,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": 1,
                        "update_interval": args.refresh_interval, "overrides": args.overrides,
                        "ds_config": "configs/ds/zero2.json via build_ds_config",
-                       "deterministic_algorithms": "torch.use_deterministic_algorithms(True, warn_only=True)",
+                       "deterministic_algorithms": DETERMINISM,
                        "data": "synthetic uniform tokens"},
         }
         if args.json:
