@@ -221,3 +221,34 @@ def test_a_step_json_in_another_shape_still_brings_every_file_back_and_fails_the
     fig = json.loads((out / "gpu_h200.json").read_text())
     assert fig["figures_error"].startswith("KeyError: 'phases_s'") and fig["steps"]["bench_train_350m"]["rc"] == 0
     assert "figures_error = KeyError" in (out / "summary.txt").read_text()
+
+
+def test_without_carried_wheels_or_deepspeed_the_check_stops_before_any_step(gpu_check, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A call on the GPU machine that forgot to carry .gpu_wheels ends at once with how to fix it, instead of
+    spending device time on steps that can only fail."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path / "no_wheels")
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else object())
+    monkeypatch.setattr(gpu_check, "run_all", lambda steps, work: ran.append(steps) or [])
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out)]) == 2 and ran == []
+    summary = (out / "summary.txt").read_text()
+    assert "no wheels in" in summary and "tools/gpu_wheels.sh" in summary and 'carry=[".gpu_wheels"]' in summary
+    assert "tools/gpu_wheels.sh" in capsys.readouterr().err
+    # One wheel there (or deepspeed installed) and the check goes on.
+    (tmp_path / "no_wheels").mkdir()
+    (tmp_path / "no_wheels" / "deepspeed-0.19.8-py3-none-any.whl").write_bytes(b"")
+    assert gpu_check.missing_packages(tmp_path / "no_wheels") is None
+
+
+def test_gpu_steps_name_the_cuda_accelerator_for_deepspeed(gpu_check, tmp_path, monkeypatch):
+    """tests/conftest.py defaults DS_ACCELERATOR to cpu; the check's steps must not inherit that default."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    seen = tmp_path / "accelerator.txt"
+    step = gpu_check.Step("probe", 20, [sys.executable, "-c", f"import os, pathlib; pathlib.Path({str(seen)!r})"
+                                        f".write_text(os.environ.get('DS_ACCELERATOR', 'unset'))"], "probe",
+                          needs_cuda=False)
+    [outcome] = gpu_check.run_all([step], tmp_path)
+    assert outcome.rc == 0 and seen.read_text() == "cuda"

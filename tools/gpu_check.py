@@ -26,6 +26,7 @@ if a step's JSON could not be read (`figures_error`; the files still come back).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -143,7 +144,9 @@ def run_all(steps: list[Step], work: Path) -> list[Outcome]:
     """Every step in order, logs in `work`; whether CUDA is there is asked (after the installs) by the first step
     that needs it."""
     cuda: bool | None = None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # DeepSpeed on the GPU steps' CUDA accelerator, named rather than detected: tests/conftest.py would otherwise
+    # default a GPU test that builds DeepSpeed to the CPU accelerator.
+    env = {"DS_ACCELERATOR": "cuda", **os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     outcomes = []
     for step in steps:
@@ -167,6 +170,16 @@ def _cuda_here(env: dict[str, str]) -> bool:
     out = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"], env=env,
                          capture_output=True, text=True, timeout=60)
     return out.stdout.strip() == "1"
+
+
+def missing_packages(wheels: Path = WHEELS) -> str | None:
+    """Why the check cannot start, or None: without carried wheels and without deepspeed installed, every step
+    after the installs would fail, each spending device time to say so."""
+    if any(wheels.glob("*.whl")) or importlib.util.find_spec("deepspeed") is not None:
+        return None
+    return (f"no wheels in {wheels} and deepspeed is not installed for {sys.executable}: run tools/gpu_wheels.sh "
+            f"on a machine with a package index and carry {wheels.name} with the working tree "
+            f"(the device tool: carry=[\"{wheels.name}\"])")
 
 
 def failed(outcome: Outcome) -> bool:
@@ -333,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"limits add up to {total}s (< {BUDGET_S}s); outputs: {out}/gpu_check.tar.gz, summary.txt, "
                   f"gpu_h200.json")
             return 0
+        refusal = missing_packages()
+        if refusal:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "summary.txt").write_text(f"gpu_check: {refusal}\n")
+            print(f"gpu_check: {refusal}", file=sys.stderr)
+            return 2
         outcomes = run_all(steps, work)
         fig = figures_or_error(steps, outcomes, work)
         table = summary_table(outcomes, fig)
