@@ -167,3 +167,60 @@ def test_gradient_accumulation_1x4_equals_4x1_with_sharded_accumulation(ranks2, 
                 torch.testing.assert_close(value, other[0][part][name], rtol=1e-4, atol=1e-5, msg=name)
     # The rank's own gradients only, against the W x shard buffer of every gradient.
     assert 2 * b[0]["grad_bytes"]["persistent"] <= c[0]["grad_bytes"]["persistent"] + 4 * ALIGN * 14
+
+
+# ---- overlap: the reduces start from the hooks, one per bucket, while backward still runs --------------------------
+
+def _reduces_among_gradients(rank, world_size, accum):
+    """Two micro-batches of a 2-layer tiny LLaMA under `accum`: the log of backbone gradients as they arrive (hooks
+    registered before the engine's, so each name is logged before the engine takes the gradient) and of every
+    reduce the engine launches, with the end of each backward and of reduce_gradients marked."""
+    import torch.distributed as dist
+
+    from distsparse.models import backbone_modules, build_model
+    from distsparse.optim.engine import MatrixEngine
+    from distsparse.optim.rules import get_rule
+
+    cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row",
+                             "model.num_hidden_layers=2"])
+    model = build_model(cfg.model, cfg.method, 97, seed=0)
+    backbone = backbone_modules(model)
+    log: list[str] = []
+    for name, module in backbone.items():
+        backbone_param(module).register_post_accumulate_grad_hook(lambda p, name=name: log.append(name))
+    engine = MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(), grad_accum_mode=accum,
+                          micro_batches=2, num_buckets=3, bucket_bytes=4 * 6000)
+    originals = {n: getattr(dist, n) for n in ("reduce_scatter", "reduce_scatter_tensor", "all_reduce")}
+
+    def logged(n):
+        def call(*args, **kwargs):
+            log.append("REDUCE")
+            return originals[n](*args, **kwargs)
+        return call
+    try:
+        for n in originals:
+            setattr(dist, n, logged(n))
+        x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(rank))
+        for micro, part in enumerate(x.chunk(2)):
+            engine.start_boundary() if micro == 1 else engine.start_micro_step()
+            model(input_ids=part, labels=part).loss.backward()
+            log.append("END BACKWARD")
+        engine.reduce_gradients()
+        log.append("END REDUCE")
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    return log, [list(b.names) for b in engine.grad_layout]
+
+
+@pytest.mark.parametrize("accum", ["full", "sharded"])
+def test_each_bucket_reduces_from_the_hooks_as_soon_as_its_last_gradient_arrives(ranks2, accum):
+    """Sharded: in every backward, each bucket's reduce-scatter is launched right after its last gradient, before the
+    next bucket's first (overlap with the rest of the backward). Full: the same in the last backward only, none in
+    the others. reduce_gradients() then only waits."""
+    for log, layout in ranks2.run(_reduces_among_gradients, accum):
+        assert len(layout) > 2, "test setup: several buckets"
+        overlapped = [name for bucket in layout for name in bucket + ["REDUCE"]]
+        names_only = [name for bucket in layout for name in bucket]
+        first = overlapped if accum == "sharded" else names_only
+        assert log == first + ["END BACKWARD"] + overlapped + ["END BACKWARD", "END REDUCE"], accum

@@ -88,3 +88,22 @@ def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, r
             assert sharded["grad_buffer"] * w <= full["grad_buffer"] * 1.05, (model, w)
             assert sharded["backbone_state_over_dense_adamw"] <= 0.27, (model, w)
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("1b"), "analytic table last"
+
+
+def test_index_cache_counts_every_tensor_a_layer_holds_besides_values_and_codes(tool):
+    """A cache anywhere in a layer's attributes (a plain tensor, inside a dict, list or dataclass) is counted, once
+    per storage; values, codes and gradients are not."""
+    import torch
+
+    from distsparse.layers import NMSparseLinear
+    from distsparse.nm import NMSpec
+
+    layer = NMSparseLinear(16, 8, NMSpec.parse("1:4", "row"))
+    layer.values.grad = torch.ones_like(layer.values)
+    assert tool.index_cache_bytes([layer], set()) == 0
+    layer.index_cache = {"row": [torch.zeros(32, dtype=torch.int64)]}   # a nested cache
+    layer.flat = torch.zeros(4, dtype=torch.int32)
+    layer.alias = layer.flat[:2]
+    assert tool.index_cache_bytes([layer], set()) == 8 * 32 + 4 * 4
+    seen: set = set()
+    assert tool.index_cache_bytes([layer, layer], seen) == 8 * 32 + 4 * 4 and seen

@@ -23,8 +23,8 @@ after backward and before the optimizer step, when gradients are held too:
   backbone (the matrix engine)
     values             the compressed values (dense weights for dense methods) held by every rank
     codes              the packed pattern codes (uint8) -- persistent metadata
-    index_cache        tensors an NMSparseLinear keeps besides values and codes (none: since issue 19 the flat index
-                       is derived from the codes per call, a transient)
+    index_cache        tensors an NMSparseLinear keeps besides values and codes, in any attribute or container
+                       (none: since issue 19 the flat index is derived from the codes per call, a transient)
     optimizer_state    masters and rule state of the owned matrices (`matrix.state_bytes()` less the gradients)
     grad_buffer        the persistent fp32 gradients: full mode's W x shard buffer (every rank holds every
                        gradient) or sharded mode's accumulator of the rank's own matrices
@@ -150,6 +150,18 @@ def dense_side_bytes(trainer, seen: set) -> dict[str, int]:
             "grad_partition": storage_bytes(grads, seen)}
 
 
+def index_cache_bytes(layers: Iterable[torch.nn.Module], seen: set) -> int:
+    """Bytes of every tensor the layers hold besides their parameters and buffers (values, codes): any attribute,
+    also inside lists, dicts and dataclasses (bench_layer.held_tensors), so a cache cannot hide in a container."""
+    from bench_layer import held_tensors
+
+    tensors = []
+    for layer in layers:
+        own = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers())}
+        tensors += [t for t in held_tensors(layer) if t.untyped_storage().data_ptr() not in own]
+    return storage_bytes(tensors, seen)
+
+
 def backbone_bytes(trainer, seen: set) -> dict[str, int]:
     from distsparse.layers import NMSparseLinear
     from distsparse.models import backbone_param
@@ -160,8 +172,7 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
     grads = matrix.grads.persistent()
     return {"values": storage_bytes((backbone_param(m) for m in modules), seen),
             "codes": storage_bytes((m.codes for m in sparse), seen),
-            "index_cache": storage_bytes((t for m in sparse for t in vars(m).values() if isinstance(t, torch.Tensor)),
-                                         seen),
+            "index_cache": index_cache_bytes(sparse, seen),
             "optimizer_state": matrix.state_bytes() - storage_bytes(grads, set()),
             "grad_buffer": storage_bytes(grads, seen)}
 
