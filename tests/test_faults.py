@@ -154,6 +154,18 @@ def test_a_manifest_whose_step_was_edited_is_refused_naming_its_directory(run):
     assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
 
 
+def test_a_checkpoint_directory_renamed_away_from_its_step_is_refused_naming_both(run):
+    """An intact checkpoint moved to another step's directory (its manifest and digest untouched): only the
+    directory-against-step check tells, so auto would otherwise resume it as the newest."""
+    from distsparse.checkpoint import CheckpointError, CheckpointManager
+    moved = _checkpoints(run) / "step00000040"
+    (_checkpoints(run) / STEP4).rename(moved)
+    with pytest.raises(CheckpointError, match=re.escape(f"{moved / 'manifest.json'} is corrupt: step 4 but its "
+                                                        f"directory is step00000040 (step 40)")):
+        CheckpointManager(_checkpoints(run)).find(str(moved))
+    assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
+
+
 def test_a_manifest_edited_where_its_step_still_matches_is_refused_by_its_own_digest(run):
     from distsparse.checkpoint import CheckpointError, CheckpointManager
     manifest = _checkpoints(run) / STEP4 / "manifest.json"
@@ -303,6 +315,16 @@ def test_random_bytes_are_refused_as_not_text_whatever_errors_says(tmp_path):
         _prepare(tmp_path, noise)
     with pytest.raises(ValueError, match=rf"{noise}: not text: .*undecodable bytes.*allowed: at most 1%"):
         _prepare(tmp_path, noise, "--errors", "replace")
+
+
+def test_random_bytes_read_as_latin1_are_refused_by_their_control_characters(tmp_path):
+    """latin-1 decodes every byte, so nothing is undecodable: the control characters alone (58 of 256 byte
+    values) make random bytes not text."""
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(os.urandom(200_000))
+    with pytest.raises(ValueError, match=rf"{noise}: not text: 2\d\.\d% .*undecodable bytes \(0, as latin-1\) or "
+                                         rf"control characters \(\d+\); allowed: at most 1%"):
+        _prepare(tmp_path, noise, "--encoding", "latin-1")
 
 
 def test_damaged_or_empty_inputs_are_refused_naming_the_file(tmp_path):
