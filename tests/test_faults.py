@@ -292,6 +292,13 @@ def test_config_problems_end_in_one_config_error_line_naming_file_key_and_value(
         ([*ds, "model.hidden_size=68", data], ["model.hidden_size: got 68", "head dimension of 17", "even"]),
         ([*ds, f"checkpoint.resume={missing}", data], ["checkpoint.resume", str(missing), "not a directory",
                                                        "allowed: auto"]),
+        # the quickstart's model (small: FFN width 688) with a permutation at its default block size 64
+        ([*ds, "--dry-run", "--config", str(ROOT / "configs/experiments/quickstart.yaml"), data,
+          "method.permutation.mode=learned"],
+         ["method.permutation.block_size: got 64", "FFN width 688", "allowed: a divisor of", "e.g. 16"]),
+        ([*ds, "--dry-run", "train.lr=nan", data], ["train.lr: got nan", "allowed: a finite number > 0"]),
+        ([*ds, "--dry-run", "method.lr=inf", data], ["method.lr: got inf", "allowed: a finite number > 0"]),
+        ([*ds, "--dry-run", "model.rms_norm_eps=-1e-6", data], ["model.rms_norm_eps: got -1e-06", ">= 0"]),
     ]
     for args, words in cases:
         rc, lines = _launch(args, capsys)
