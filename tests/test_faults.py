@@ -134,6 +134,25 @@ def test_a_flipped_byte_in_one_rank_s_deepspeed_file_makes_every_rank_resume_fro
     assert starts == [2, 2]
 
 
+def test_the_command_refuses_an_explicit_checkpoint_that_fails_its_digest_in_one_line(saved, run):
+    """Digests are checked by the ranks after the process group starts (validate checks sizes only): the command
+    still ends in one `checkpoint error:` line naming the file, not a traceback. One process resuming the 2-rank
+    run hashes every file itself."""
+    damaged = _checkpoints(run) / STEP4 / ZERO_RANK1
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "launch/pretrain.py", *_overrides(saved["data"], run),
+                           f"checkpoint.resume={damaged.parent}"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"checkpoint error: checkpoint file {damaged} is corrupt (its "
+                                                    f"sha256 is not the manifest's)")
+
+
 def test_a_manifest_that_is_not_utf8_is_skipped_by_auto_and_refused_by_path(run, capsys):
     from distsparse.checkpoint import CheckpointError, CheckpointManager
     manifest = _checkpoints(run) / STEP4 / "manifest.json"
