@@ -368,6 +368,21 @@ def test_damaged_or_empty_inputs_are_refused_naming_the_file(tmp_path):
         _prepare(tmp_path, not_gzip)
 
 
+@pytest.mark.parametrize("keep", [1001, 1000])   # an odd byte count (no whole token), a whole number of tokens
+def test_a_truncated_token_shard_is_refused_naming_the_file(tmp_path, keep):
+    """The shards' sizes against meta.json's token counts: numpy's memmap refused an odd size without naming the
+    file, and a shard cut at a token boundary was read as a shorter split."""
+    from distsparse.data import TokenDataset
+    data_dir = make_data_dir(tmp_path / "data")
+    shard = Path(data_dir) / "train.bin"
+    tokens = json.loads((Path(data_dir) / "meta.json").read_text())["num_tokens"]["train"]
+    shard.write_bytes(shard.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=re.escape(f"{shard} holds {keep} bytes; its meta.json says {tokens} uint16 "
+                                                   f"tokens ({2 * tokens} bytes)")):
+        TokenDataset(data_dir, "train", 32)
+    assert len(TokenDataset(data_dir, "val", 32)) > 0
+
+
 def test_undecodable_bytes_are_refused_by_default_and_replaced_only_when_asked(tmp_path):
     from data_prep.sources import TextOptions, read_file_documents
     text = tmp_path / "latin1.txt"
