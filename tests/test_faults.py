@@ -305,6 +305,8 @@ def test_config_problems_end_in_one_config_error_line_naming_file_key_and_value(
     ds_list = tmp_path / "ds.json"
     ds_list.write_text("[1, 2]")
     missing = tmp_path / "no_such_checkpoint"
+    cut_data = make_data_dir(tmp_path / "cut")
+    (Path(cut_data) / "train.bin").write_bytes((Path(cut_data) / "train.bin").read_bytes()[:1001])
     cases = [
         ([*ds, "--config", str(bad_yaml), data], [str(bad_yaml), "not valid YAML at line 3"]),
         (["--ds_config", str(ds_list), data], [str(ds_list), "JSON list", "allowed: a JSON object"]),
@@ -318,6 +320,7 @@ def test_config_problems_end_in_one_config_error_line_naming_file_key_and_value(
         ([*ds, "--dry-run", "train.lr=nan", data], ["train.lr: got nan", "allowed: a finite number > 0"]),
         ([*ds, "--dry-run", "method.lr=inf", data], ["method.lr: got inf", "allowed: a finite number > 0"]),
         ([*ds, "--dry-run", "model.rms_norm_eps=-1e-6", data], ["model.rms_norm_eps: got -1e-06", ">= 0"]),
+        ([*ds, "--dry-run", f"data.dir={cut_data}"], [f"{Path(cut_data) / 'train.bin'} holds 1001 bytes"]),
     ]
     for args, words in cases:
         rc, lines = _launch(args, capsys)
