@@ -12,6 +12,7 @@ configs/method/chts24_1of4_row.yaml; keys given next to `preset` override the fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -43,8 +44,11 @@ def _choice(key: str, value: Any, allowed: tuple) -> None:
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    bound = ">= 0" if allow_zero else "> 0"
+    if not math.isfinite(value):   # nan passes both comparisons below; inf is no learning rate or interval
+        raise ValueError(f"{key}: got {value!r}; allowed: a finite number {bound}")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{key}: got {value!r}; allowed: a number {'>= 0' if allow_zero else '> 0'}")
+        raise ValueError(f"{key}: got {value!r}; allowed: a number {bound}")
 
 
 def _typed_value(path: str, value: Any, tp: Any) -> Any:
@@ -90,7 +94,13 @@ def build_settings(cls: type, data: dict, key: str, **fixed: Any) -> Any:
 def check_backbone_shapes(model: "ModelConfig", method: "MethodConfig") -> None:
     """The N:M shape rule (DESIGN decision 9) for every backbone matrix of the model. The matrices are [hidden,
     hidden], [ffn, hidden] and [hidden, ffn] (FFN width rounded to model.ffn_multiple_of), so each width is the
-    reduction width of some matrix: row-wise and block-wise alike need both to be multiples of M."""
+    reduction width of some matrix: row-wise and block-wise alike need both to be multiples of M. An input
+    permutation permutes both widths (every projection's input) in blocks of method.permutation.block_size."""
+    perm, d, ff = method.permutation, model.hidden_size, model.ffn_width
+    if perm.mode != "none" and (d % perm.block_size or ff % perm.block_size):
+        raise ValueError(f"method.permutation.block_size: got {perm.block_size} with model.hidden_size {d} and FFN "
+                         f"width {ff} (model.intermediate_size rounded to ffn_multiple_of); allowed: a divisor of "
+                         f"both, e.g. {math.gcd(d, ff)}")
     spec = method.spec
     if spec is None:
         return
@@ -118,6 +128,8 @@ class ModelConfig:
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "max_position_embeddings", "ffn_multiple_of"):
             _positive(f"model.{key}", getattr(self, key))
+        for key in ("rms_norm_eps", "initializer_range"):
+            _positive(f"model.{key}", getattr(self, key), allow_zero=True)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"model.hidden_size: got {self.hidden_size}; allowed: a multiple of "
                              f"model.num_attention_heads ({self.num_attention_heads})")

@@ -79,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     logging.info(launch_env.describe(env, device))
+    from distsparse.checkpoint import CheckpointError
     from distsparse.train.trainer import Trainer
-    trainer = Trainer(cfg, ds_config)
+    try:
+        trainer = Trainer(cfg, ds_config)
+    except CheckpointError as err:   # a digest the ranks found wrong (find is collective: every rank is here)
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 2
     try:
         result = trainer.train()
         received = trainer.preemption.received

@@ -134,6 +134,25 @@ def test_a_flipped_byte_in_one_rank_s_deepspeed_file_makes_every_rank_resume_fro
     assert starts == [2, 2]
 
 
+def test_the_command_refuses_an_explicit_checkpoint_that_fails_its_digest_in_one_line(saved, run):
+    """Digests are checked by the ranks after the process group starts (validate checks sizes only): the command
+    still ends in one `checkpoint error:` line naming the file, not a traceback. One process resuming the 2-rank
+    run hashes every file itself."""
+    damaged = _checkpoints(run) / STEP4 / ZERO_RANK1
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "launch/pretrain.py", *_overrides(saved["data"], run),
+                           f"checkpoint.resume={damaged.parent}"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"checkpoint error: checkpoint file {damaged} is corrupt (its "
+                                                    f"sha256 is not the manifest's)")
+
+
 def test_a_manifest_that_is_not_utf8_is_skipped_by_auto_and_refused_by_path(run, capsys):
     from distsparse.checkpoint import CheckpointError, CheckpointManager
     manifest = _checkpoints(run) / STEP4 / "manifest.json"
@@ -151,6 +170,18 @@ def test_a_manifest_whose_step_was_edited_is_refused_naming_its_directory(run):
     manifest.write_text(manifest.read_text().replace('"step": 4,', '"step": 44,'))
     with pytest.raises(CheckpointError, match=re.escape(f"{manifest} is corrupt: step 44 but its tag is {STEP4}")):
         CheckpointManager(_checkpoints(run)).find(str(manifest.parent))
+    assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
+
+
+def test_a_checkpoint_directory_renamed_away_from_its_step_is_refused_naming_both(run):
+    """An intact checkpoint moved to another step's directory (its manifest and digest untouched): only the
+    directory-against-step check tells, so auto would otherwise resume it as the newest."""
+    from distsparse.checkpoint import CheckpointError, CheckpointManager
+    moved = _checkpoints(run) / "step00000040"
+    (_checkpoints(run) / STEP4).rename(moved)
+    with pytest.raises(CheckpointError, match=re.escape(f"{moved / 'manifest.json'} is corrupt: step 4 but its "
+                                                        f"directory is step00000040 (step 40)")):
+        CheckpointManager(_checkpoints(run)).find(str(moved))
     assert CheckpointManager(_checkpoints(run)).find("auto").path.name == STEP2
 
 
@@ -274,12 +305,22 @@ def test_config_problems_end_in_one_config_error_line_naming_file_key_and_value(
     ds_list = tmp_path / "ds.json"
     ds_list.write_text("[1, 2]")
     missing = tmp_path / "no_such_checkpoint"
+    cut_data = make_data_dir(tmp_path / "cut")
+    (Path(cut_data) / "train.bin").write_bytes((Path(cut_data) / "train.bin").read_bytes()[:1001])
     cases = [
         ([*ds, "--config", str(bad_yaml), data], [str(bad_yaml), "not valid YAML at line 3"]),
         (["--ds_config", str(ds_list), data], [str(ds_list), "JSON list", "allowed: a JSON object"]),
         ([*ds, "model.hidden_size=68", data], ["model.hidden_size: got 68", "head dimension of 17", "even"]),
         ([*ds, f"checkpoint.resume={missing}", data], ["checkpoint.resume", str(missing), "not a directory",
                                                        "allowed: auto"]),
+        # the quickstart's model (small: FFN width 688) with a permutation at its default block size 64
+        ([*ds, "--dry-run", "--config", str(ROOT / "configs/experiments/quickstart.yaml"), data,
+          "method.permutation.mode=learned"],
+         ["method.permutation.block_size: got 64", "FFN width 688", "allowed: a divisor of", "e.g. 16"]),
+        ([*ds, "--dry-run", "train.lr=nan", data], ["train.lr: got nan", "allowed: a finite number > 0"]),
+        ([*ds, "--dry-run", "method.lr=inf", data], ["method.lr: got inf", "allowed: a finite number > 0"]),
+        ([*ds, "--dry-run", "model.rms_norm_eps=-1e-6", data], ["model.rms_norm_eps: got -1e-06", ">= 0"]),
+        ([*ds, "--dry-run", f"data.dir={cut_data}"], [f"{Path(cut_data) / 'train.bin'} holds 1001 bytes"]),
     ]
     for args, words in cases:
         rc, lines = _launch(args, capsys)
@@ -305,6 +346,16 @@ def test_random_bytes_are_refused_as_not_text_whatever_errors_says(tmp_path):
         _prepare(tmp_path, noise, "--errors", "replace")
 
 
+def test_random_bytes_read_as_latin1_are_refused_by_their_control_characters(tmp_path):
+    """latin-1 decodes every byte, so nothing is undecodable: the control characters alone (58 of 256 byte
+    values) make random bytes not text."""
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(os.urandom(200_000))
+    with pytest.raises(ValueError, match=rf"{noise}: not text: 2\d\.\d% .*undecodable bytes \(0, as latin-1\) or "
+                                         rf"control characters \(\d+\); allowed: at most 1%"):
+        _prepare(tmp_path, noise, "--encoding", "latin-1")
+
+
 def test_damaged_or_empty_inputs_are_refused_naming_the_file(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n  \n")
@@ -318,6 +369,21 @@ def test_damaged_or_empty_inputs_are_refused_naming_the_file(tmp_path):
     not_gzip.write_text("plain text, not gzip")
     with pytest.raises(ValueError, match=f"{not_gzip}: not a gzip-compressed file"):
         _prepare(tmp_path, not_gzip)
+
+
+@pytest.mark.parametrize("keep", [1001, 1000])   # an odd byte count (no whole token), a whole number of tokens
+def test_a_truncated_token_shard_is_refused_naming_the_file(tmp_path, keep):
+    """The shards' sizes against meta.json's token counts: numpy's memmap refused an odd size without naming the
+    file, and a shard cut at a token boundary was read as a shorter split."""
+    from distsparse.data import TokenDataset
+    data_dir = make_data_dir(tmp_path / "data")
+    shard = Path(data_dir) / "train.bin"
+    tokens = json.loads((Path(data_dir) / "meta.json").read_text())["num_tokens"]["train"]
+    shard.write_bytes(shard.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=re.escape(f"{shard} holds {keep} bytes; its meta.json says {tokens} uint16 "
+                                                   f"tokens ({2 * tokens} bytes)")):
+        TokenDataset(data_dir, "train", 32)
+    assert len(TokenDataset(data_dir, "val", 32)) > 0
 
 
 def test_undecodable_bytes_are_refused_by_default_and_replaced_only_when_asked(tmp_path):

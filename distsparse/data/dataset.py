@@ -60,6 +60,7 @@ class TokenDataset(Dataset):
         self.path = Path(data_dir) / f"{split}.bin"
         if not self.path.is_file():
             raise ValueError(f"data_dir: {str(data_dir)!r} has no {self.path.name} (missing file: {self.path})")
+        self._check_size(split)
         if self.mode == "truncate_pad" and seq_len != self.meta["seq_len"]:
             raise ValueError(f"seq_len: got {seq_len}; allowed: {self.meta['seq_len']} (the data in {data_dir} is "
                              "truncate_pad rows of that length; re-prepare it for another length)")
@@ -70,6 +71,21 @@ class TokenDataset(Dataset):
         self.num_samples = self.tokens.size // seq_len
         if self.num_samples == 0:
             raise ValueError(f"seq_len: got {seq_len}; allowed: <= {self.tokens.size}, the {split} split's length")
+
+    def _check_size(self, split: str) -> None:
+        """The shard's size against meta.json: whole tokens (whole rows in truncate_pad), and in packed mode the
+        split's token count, so a truncated shard is refused naming the file rather than read as a shorter split."""
+        dtype = np.dtype(self.meta["dtype"])
+        size = self.path.stat().st_size
+        counts = self.meta["num_tokens"]
+        expected = counts.get(split) if self.mode == "packed" and isinstance(counts, dict) else None
+        row = self.meta["seq_len"] if self.mode == "truncate_pad" else 1
+        unit = dtype.itemsize * row
+        if size % unit or (isinstance(expected, int) and size != expected * dtype.itemsize):
+            said = (f"{expected} {dtype} tokens ({expected * dtype.itemsize} bytes)" if isinstance(expected, int)
+                    else f"whole {f'rows of {row} ' if row > 1 else ''}{dtype} tokens")
+            raise ValueError(f"data_dir: {self.path} holds {size} bytes; its meta.json says {said}: the shard is "
+                             f"truncated or damaged; allowed: the files of one finished data_prep.prepare run")
 
     @property
     def tokens(self) -> np.ndarray:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from distsparse.checkpoint import check_resume
 from distsparse.config import Config, check_backbone_shapes
-from distsparse.data import load_meta
+from distsparse.data import TokenDataset, load_meta
+from distsparse.data.dataset import SPLITS
 
 
 def validate(cfg: Config) -> dict:
@@ -21,4 +22,6 @@ def validate(cfg: Config) -> dict:
                          f"{meta['seq_len']}; allowed: {meta['seq_len']}")
     check_backbone_shapes(cfg.model, cfg.method)
     check_resume(cfg, meta)
+    for split in SPLITS:   # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
+        TokenDataset(cfg.data.dir, split, cfg.data.seq_len)
     return meta
