@@ -197,3 +197,19 @@ def test_keep_last_checkpoints_remain_and_every_file_written_is_in_the_manifest(
     assert sorted(found.manifest["files"]) == [
         "backbone/rank00000.safetensors", "extra/unclaimed.bin", "mp_rank_00_model_states.pt", "rng/rank00000.json",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+def test_a_copy_named_like_a_checkpoint_is_never_resumed_counted_or_pruned(tmp_path):
+    """`step00000002.bak` sorts after `step00000002` and before `step00000003`: matched by `step*` it would be tried
+    by `auto` before the real newest-but-one, count against keep_last, and be deleted by pruning."""
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2):
+        manager.save(step, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+    import shutil
+    shutil.copytree(tmp_path / "step00000002", tmp_path / "step00000002.bak")
+    shutil.copytree(tmp_path / "step00000002", tmp_path / "step99999999x")
+    (tmp_path / "latest").unlink()   # auto then goes by name: the newest real checkpoint
+    assert manager.find("auto").path.name == "step00000002"
+    manager.save(3, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step00000002", "step00000002.bak", "step00000003", "step99999999x"]

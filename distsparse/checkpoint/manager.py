@@ -41,7 +41,8 @@ from distsparse.checkpoint.files import (
     write_text_atomic,
 )
 from distsparse.checkpoint.manifest import (
-    FORMAT_VERSION, MANIFEST, CheckpointError, candidates, read_manifest, sealed_text, tag_for, verify_digests,
+    FORMAT_VERSION, MANIFEST, CheckpointError, candidates, checkpoint_tags, read_manifest, sealed_text, tag_for,
+    verify_digests,
 )
 
 log = logging.getLogger("distsparse")
@@ -134,7 +135,7 @@ class CheckpointManager:
         return rel
 
     def _prune(self) -> None:
-        tags = sorted(p.name for p in self.root.glob("step*") if p.is_dir())
+        tags = checkpoint_tags(self.root)
         for old in tags[:-self.keep_last]:
             shutil.rmtree(self.root / old, ignore_errors=True)
 

@@ -120,11 +120,17 @@ def verify_digests(path: Path, manifest: dict, rank: int, world_size: int,
     return errors
 
 
-def candidates(root: Path) -> list[Path]:
-    """Checkpoint directories under `root` in the order `resume=auto` tries them: `latest`, then newest first."""
+def checkpoint_tags(root: Path) -> list[str]:
+    """Names of the checkpoint directories under `root`, oldest first: exactly `stepNNNNNNNN`, so a user's copy
+    (`step00000040.bak`) or a save's temporary directory is never resumed, counted or pruned."""
     if not root.is_dir():
         return []
-    tags = sorted((p.name for p in root.glob("step*") if p.is_dir()), reverse=True)
+    return sorted(p.name for p in root.iterdir() if _TAG.fullmatch(p.name) and p.is_dir())
+
+
+def candidates(root: Path) -> list[Path]:
+    """Checkpoint directories under `root` in the order `resume=auto` tries them: `latest`, then newest first."""
+    tags = checkpoint_tags(root)[::-1]
     latest_file = root / "latest"
     latest = latest_file.read_text(errors="replace").strip() if latest_file.is_file() else None
     if latest in tags:
