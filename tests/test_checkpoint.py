@@ -213,3 +213,39 @@ def test_a_copy_named_like_a_checkpoint_is_never_resumed_counted_or_pruned(tmp_p
     manager.save(3, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest", "step00000002", "step00000002.bak", "step00000003", "step99999999x"]
+
+
+def test_the_rank_rng_file_carries_the_cuda_generator_once_cuda_is_initialized(monkeypatch):
+    """On a GPU a resumed run must draw what the uninterrupted one would: the CUDA generator is saved with the
+    others and restored where CUDA exists; a CPU resume of a GPU checkpoint skips it. (CUDA faked on CPU; the GPU
+    test below runs the real generator.)"""
+    from distsparse.checkpoint.files import rng_state, set_rng_state
+    cuda_state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: cuda_state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda t: restored.append(t))
+    state = json.loads(json.dumps(rng_state()))
+    assert state["cuda"] == list(range(16))
+    expected = torch.rand(3)
+    set_rng_state(state)
+    assert torch.equal(restored[0], cuda_state) and restored[0].dtype == torch.uint8
+    assert torch.equal(torch.rand(3), expected)   # the CPU generator came back too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    set_rng_state(state)                           # no CUDA here: the GPU's state is dropped, nothing raises
+    assert len(restored) == 1
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "cuda" not in rng_state()               # asking would initialize CUDA; it has drawn nothing yet
+
+
+@pytest.mark.gpu
+def test_a_restored_cuda_generator_draws_what_it_would_have_drawn():
+    from distsparse.checkpoint.files import rng_state, set_rng_state
+    torch.rand(1, device="cuda")
+    state = json.loads(json.dumps(rng_state()))
+    expected = torch.rand(1000, device="cuda")
+    torch.rand(77, device="cuda")
+    set_rng_state(state)
+    assert torch.equal(torch.rand(1000, device="cuda"), expected)

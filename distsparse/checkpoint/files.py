@@ -90,13 +90,22 @@ def unflatten_states(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch
 
 
 def rng_state() -> dict:
+    """This rank's generators. The CUDA one (the current device's) only once CUDA is initialized: asking for it
+    earlier would initialize CUDA, and before that it has drawn nothing."""
     np_state = np.random.get_state()
-    return {"python": repr(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": torch.get_rng_state().tolist()}
+    state = {"python": repr(random.getstate()), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+             "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved; a CUDA state saved on a GPU and resumed without one is dropped (nothing
+    there draws from a CUDA generator)."""
     random.setstate(ast.literal_eval(state["python"]))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
