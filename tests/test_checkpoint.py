@@ -11,6 +11,8 @@ import torch
 from distsparse.config import load_config
 from distsparse.models import backbone_param
 from distsparse.checkpoint import CheckpointError, CheckpointManager
+from distsparse.checkpoint.files import unflatten_states
+from distsparse.layers.permutation import BlockPermutation
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
 
@@ -45,8 +47,10 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, sign
     codes = {n: m.codes.clone() for n, m in trainer.backbone.items()}
     dense = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "embed" in n or "norm" in n}
     dense.update({n: b.clone() for n, b in trainer.model.named_buffers() if "hard_" in n})   # permutation state
+    learned = sorted(n for n, m in trainer.model.named_modules() if isinstance(m, BlockPermutation) and m.mode ==
+                     "learned")
     trainer.close()
-    return {"result": result, "values": values, "codes": codes, "dense": dense}
+    return {"result": result, "values": values, "codes": codes, "dense": dense, "learned": learned}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +65,9 @@ def test_preempted_run_resumes_bit_for_bit(ranks2, data_dir, tmp_path):
     assert all(r["result"].preempted and r["result"].step == 4 for r in part)
     ckpt = tmp_path / "part" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000004"
+    from safetensors.torch import load_file   # the registry export and consolidation read: every learned block
+    registry = unflatten_states(load_file(ckpt / "step00000004" / "registry.safetensors"))
+    assert part[0]["learned"] and sorted(registry) == part[0]["learned"]
     resumed = ranks2.run(_train, data_dir, str(tmp_path / "part"), ["checkpoint.resume=auto"])
     for name, v in full[0]["values"].items():
         assert torch.equal(v, resumed[0]["values"][name]), name

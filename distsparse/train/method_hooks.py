@@ -5,10 +5,12 @@ the matrix engine hold no method names; each method that needs more than its bac
     extra_loss(step)    a term added to every micro-batch's loss, or None       Add+Align, ShuffleSparse penalty
     after_step(taken)   after both sides stepped (taken = step + 1); metrics    ShuffleSparse hardening
     metrics()           evaluation-time metrics                                  CAST: projection cut
+    saved_state()       components the checkpoint's registry file keeps           ShuffleSparse: learned blocks
 
 SR-STE's decay is added once per backward inside the layer, unscaled by the 1/grad_accum DeepSpeed applies to the
 loss, so its hook tells the layers how many micro-batches a step has (the per-step decay stays the paper's
 lambda_w). `build_method_hooks` reads the built model, not the method's name, to decide which hooks a run gets.
+`saved_state` names what export and consolidation read back from project files alone (checkpoint/model.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from distsparse.config import MethodConfig, PermutationConfig
 from distsparse.layers.branches import AddAlignBranch, mean_aux_loss
 from distsparse.layers.dense_latent import DenseLatentLinear, cast_metrics
 from distsparse.train.permutation_policy import PermutationPolicy
@@ -34,6 +37,9 @@ class MethodHooks:
         return {}
 
     def metrics(self) -> dict[str, float]:
+        return {}
+
+    def saved_state(self) -> dict[str, nn.Module]:
         return {}
 
 
@@ -82,6 +88,10 @@ class PermutationHooks(MethodHooks):
     def after_step(self, taken: int) -> dict[str, float]:
         return self.policy.after_step(taken)
 
+    def saved_state(self) -> dict[str, nn.Module]:
+        # theta and hardening also live in DeepSpeed's module file; this copy is keyed by module name
+        return dict(self.policy.perms)
+
 
 class HookSet(MethodHooks):
     """Several methods' hooks as one: called in order, extra losses summed, metrics merged."""
@@ -103,11 +113,14 @@ class HookSet(MethodHooks):
     def metrics(self) -> dict[str, float]:
         return {k: v for hook in self.hooks for k, v in hook.metrics().items()}
 
+    def saved_state(self) -> dict[str, nn.Module]:
+        return {k: v for hook in self.hooks for k, v in hook.saved_state().items()}
 
-def build_method_hooks(model: nn.Module, backbone: dict[str, nn.Module], *, micro_batches: int,
-                       permutations: PermutationPolicy | None = None) -> HookSet:
+
+def build_method_hooks(model: nn.Module, backbone: dict[str, nn.Module], method: MethodConfig | None = None, *,
+                       micro_batches: int, total_steps: int = 1) -> HookSet:
     """The hooks the built model calls for: SR-STE and CAST latents, branches with an aux loss, learned
-    permutations."""
+    permutations (their penalty and hardening schedule: `method.permutation` over `total_steps`)."""
     latents = [m for m in backbone.values() if isinstance(m, DenseLatentLinear)]
     hooks: list[MethodHooks] = []
     srste = [m for m in latents if m.mode == "srste"]
@@ -118,6 +131,7 @@ def build_method_hooks(model: nn.Module, backbone: dict[str, nn.Module], *, micr
         hooks.append(CASTHooks(cast))
     if any(isinstance(m, AddAlignBranch) for m in model.modules()):
         hooks.append(AuxLossHooks(model))
-    if permutations is not None and permutations.active:
+    permutations = PermutationPolicy(method.permutation if method else PermutationConfig(), model, total_steps)
+    if permutations.active:
         hooks.append(PermutationHooks(permutations))
     return HookSet(hooks)

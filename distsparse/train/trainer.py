@@ -32,7 +32,6 @@ from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
 from distsparse.train.method_hooks import build_method_hooks
 from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
-from distsparse.train.permutation_policy import PermutationPolicy
 from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.schedule import lr_factor
 from distsparse.train.topology_policy import TopologyPolicy
@@ -108,9 +107,8 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
                                           self.world_size, self.rank, cfg.train.seed)
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
-        self.permutations = PermutationPolicy(cfg.method.permutation, self.model, cfg.train.steps)
-        self.hooks = build_method_hooks(self.model, self.backbone, micro_batches=cfg.train.grad_accum,
-                                        permutations=self.permutations)
+        self.hooks = build_method_hooks(self.model, self.backbone, cfg.method, micro_batches=cfg.train.grad_accum,
+                                        total_steps=cfg.train.steps)
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
                                     topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s))
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
@@ -166,12 +164,9 @@ class Trainer:
                     "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
                     "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype,
                     "vocab_size": self.model.config.vocab_size}
-        # Permutation state (theta, hardening) also lives in DeepSpeed's module file; the registry copy lets
-        # export and consolidation read it from project files alone.
-        registry = {name: perm for name, perm in self.permutations.perms}
         path = self.checkpoints.save(self.step, ds_engine=self.engine, matrix_engine=self.matrix, manifest=manifest,
                                      dense_state=gather_dense_state(self.engine, self.model, self.rank),
-                                     registry=registry)
+                                     registry=self.hooks.saved_state())
         log.info("saved checkpoint %s", path)
         return path
 
