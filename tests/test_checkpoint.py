@@ -256,3 +256,19 @@ def test_a_restored_cuda_generator_draws_what_it_would_have_drawn():
     torch.rand(77, device="cuda")
     set_rng_state(state)
     assert torch.equal(torch.rand(1000, device="cuda"), expected)
+
+
+def test_a_finished_run_resumed_saves_its_final_checkpoint_again_with_the_same_dense_state(ranks2, data_dir,
+                                                                                          tmp_path):
+    """A requeue after the final save: the resumed run takes no step and saves at once (save_at_end), so the dense
+    state it gathers is the one DeepSpeed just loaded, not yet linked to the parameters by a step."""
+    from safetensors.torch import load_file
+    overrides = ["train.steps=2", "checkpoint.interval=1"]
+    ranks2.run(_train, data_dir, str(tmp_path), overrides)
+    final = tmp_path / "checkpoints" / "step00000002"
+    saved = load_file(final / "dense_state.safetensors")
+    resumed = ranks2.run(_train, data_dir, str(tmp_path), overrides + ["checkpoint.resume=auto"])
+    assert all(r["result"].step == 2 for r in resumed)
+    again = load_file(final / "dense_state.safetensors")
+    assert saved.keys() == again.keys() and any("exp_avg" in k for k in saved)
+    assert all(torch.equal(saved[k], again[k]) for k in saved)

@@ -32,6 +32,12 @@ def _optimizer_step(ds_engine) -> int:
 
 def gather_dense_state(ds_engine, model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor] | None:
     """Collective. Rank 0 gets {name::master|exp_avg|exp_avg_sq: fp32 tensor} plus the optimizer step."""
+    opt = ds_engine.optimizer
+    if all(opt.optimizer.state.get(flat) for flat in opt.single_partition_of_fp32_groups):
+        # DeepSpeed links the Adam state to the parameters at its first step, also after load_checkpoint: a save
+        # before that step (a finished run resumed, save_at_end) links it here. Only once the state exists: a link
+        # is a set of views, made to empty state it would stay empty (deepspeed==0.19.8 internal, pinned).
+        opt._lazy_init_hp_params_optimizer_state()
     out: dict[str, torch.Tensor] = {}
     for name, p in _dense_params(ds_engine, model):
         full = {"master": safe_get_full_fp32_param(p)}

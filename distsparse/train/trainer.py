@@ -234,12 +234,13 @@ class Trainer:
                 self.save()
         if cfg.checkpoint.save_at_end and (cfg.checkpoint.interval or cfg.checkpoint.resume):
             self.save()
-        final = {"final/val_loss": val_loss, "final/val_ppl": val_ppl, "final/train_loss": metrics["loss/train"]}
+        train_loss = metrics.get("loss/train", float("nan"))   # nan: resumed at train.steps, no step taken here
+        final = {"final/val_loss": val_loss, "final/val_ppl": val_ppl, "final/train_loss": train_loss}
         # The realized parameter counts sit next to the hyperparameters (branch share included).
         self.writer.hparams({**config_to_dict(cfg), "parameter_counts": counts}, final)
         if self.rank == 0:
             (out_dir / "result.json").write_text(json.dumps({"step": self.step, **final}, indent=2))
-        return TrainResult(self.step, metrics["loss/train"], val_loss, val_ppl)
+        return TrainResult(self.step, train_loss, val_loss, val_ppl)
 
     def _log_line(self, metrics: dict[str, float], method_metrics: dict[str, float], elapsed: float) -> str:
         """Rank 0's console line: step, loss, grad_norm (when measured), lr, tokens/s, ETA, validation, method."""
