@@ -336,3 +336,23 @@ def test_refresh_metrics_sum_counts_over_ranks_and_keep_the_step_s_zeta(ranks2):
             "topology/refresh_s": 0.2, "topology/q_proj/groups_selected": 30.0,
             "topology/q_proj/effective_refresh_rate": 6.0 / 30.0, "topology/q_proj/mpr_exclusions": 1.0,
             "topology/q_proj/links_changed": 10.0, "topology/zeta": 0.3, "topology/temperature": 2.0})
+
+
+def _resume_with_another_clip(rank, world_size, data_dir, out_dir):
+    """Save with train.grad_clip 1.0, resume with 0.5 and save again before any step (a finished run resumed
+    with save_at_end does exactly this)."""
+    _, trainer = _trainer(data_dir, out_dir, ["train.dtype=fp32", "train.grad_clip=1.0"])
+    trainer.train_step([_batch(rank)])
+    trainer.step += 1
+    trainer.save()
+    trainer.close()
+    _, resumed = _trainer(data_dir, out_dir, ["train.dtype=fp32", "train.grad_clip=0.5", "checkpoint.resume=auto"])
+    out = {"step": resumed.step, "loaded": resumed.engine.optimizer.clip_grad}
+    out["saved"] = _saved_clip(resumed.save(), rank)
+    resumed.close()
+    return out
+
+
+def test_a_resume_holds_deepspeeds_threshold_at_this_runs_grad_clip_before_any_step(ranks2, data_dir, tmp_path):
+    for r in ranks2.run(_resume_with_another_clip, data_dir, str(tmp_path)):
+        assert r == {"step": 1, "loaded": 0.5, "saved": 0.5}, "DeepSpeed's load_checkpoint restores the saved one"

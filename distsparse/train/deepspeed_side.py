@@ -19,7 +19,9 @@ stage_1_and_2.py) offers it:
 
 `step` swaps `scaled_global_norm`, `check_overflow` and `check_grad_overflow` on the optimizer instance for the one
 call and restores them in `finally`, where it also sets the clip threshold to train.grad_clip (as it does before
-the call: a checkpoint written before the joint step existed may have loaded a stale one). The norm it hands over
+the call). `hold_threshold` does the same after a checkpoint load: DeepSpeed's `load_checkpoint` restores the saved
+threshold, which a resume may have changed (train.grad_clip) or a checkpoint written before the joint step existed
+holds rescaled; a save before the next step would write it again. The norm it hands over
 is a CPU tensor: DeepSpeed's own validity check of it (`is_invalid_grad_norm`, a bool()) then costs no device sync.
 """
 
@@ -78,6 +80,10 @@ class DeepSpeedSide:
         ok = torch.stack([torch.isfinite(g).all() for g in grads]).all()
         return torch.where(ok, 0.0, float("inf")).double()
 
+    def hold_threshold(self) -> None:
+        """DeepSpeed's clip threshold back to train.grad_clip (before and after every step, after every load)."""
+        self.optimizer.clip_grad = self.grad_clip
+
     def step(self, joint_norm: float, skip: bool) -> None:
         """DeepSpeed's boundary step with the joint norm (its clip coefficient becomes the joint one), or its own
         skip path when `skip` (the norm is then not read). Raises if DeepSpeed disagrees about having applied the
@@ -92,14 +98,13 @@ class DeepSpeedSide:
         opt.scaled_global_norm = lambda norm_type=2: norm
         opt.check_overflow = check_overflow
         opt.check_grad_overflow = True
-        # The threshold is train.grad_clip, whatever a checkpoint loaded: files written before the joint step
-        # existed hold a threshold rescaled for one step.
-        opt.clip_grad = self.grad_clip
+        self.hold_threshold()
         try:
             self.engine.step()
         finally:
             del opt.scaled_global_norm, opt.check_overflow   # the class methods again
-            opt.check_grad_overflow, opt.clip_grad = saved_check, self.grad_clip
+            opt.check_grad_overflow = saved_check
+            self.hold_threshold()
         applied = self.engine.was_step_applied()
         if applied == skip:
             raise RuntimeError(f"DeepSpeed step applied: {applied}, joint step asked to skip: {skip} "

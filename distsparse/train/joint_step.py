@@ -72,6 +72,10 @@ class JointOptimizer:
         """Bytes a rank sends for the step's scalars: one ring all-reduce of len(SCALARS) float64."""
         return 2 * (world_size - 1) / world_size * len(SCALARS) * torch.float64.itemsize
 
+    def loaded(self) -> None:
+        """Call after DeepSpeed loaded a checkpoint: its threshold back to train.grad_clip (deepspeed_side.py)."""
+        self.dense.hold_threshold()
+
     # ---- micro-steps -------------------------------------------------------------------------------------
 
     def begin(self, step: int) -> None:

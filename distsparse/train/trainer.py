@@ -187,6 +187,7 @@ class Trainer:
                                         load_optimizer_states=False, load_lr_scheduler_states=False)
             restore_dense_state(self.engine, self.model, self.checkpoints.load_tensors(ckpt, "dense_state.safetensors"),
                                 m["step"])
+        self.joint.loaded()
         self.matrix.load_state_dict(self.checkpoints.load_backbone(ckpt, list(self.matrix.masters)))
         self.sampler.load_state_dict({"consumed_samples": m["consumed_samples"]})
         self.step = m["step"]
