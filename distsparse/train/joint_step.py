@@ -111,8 +111,9 @@ class JointOptimizer:
             dense, backbone = self.dense.local_nonfinite(), self.matrix.local_grads_nonfinite()
         device = self.matrix.device
         loss = torch.stack(self._losses).double().mean()
-        local = torch.stack([dense.to(device), backbone.to(device), loss.to(device),
-                             torch.tensor(float(preempt), dtype=torch.float64, device=device)])
+        # The flag by a fill kernel: torch.tensor(x, device=cuda) is a blocking copy that waits for the stream.
+        flag = torch.full((), float(preempt), dtype=torch.float64, device=device)
+        local = torch.stack([dense.to(device), backbone.to(device), loss.to(device), flag])
         dense_sq, backbone_sq, loss_sum, preempt_count = ddist.dist_sum(local).tolist()   # the host sync
         finite = math.isfinite(dense_sq + backbone_sq)
         norm = math.sqrt(dense_sq + backbone_sq) if norm_wanted and finite else None
