@@ -244,3 +244,19 @@ def test_ratios_divide_by_dense_and_by_chts24_of_the_same_sparsity_and_layout(be
     assert ratios["ste_2of4_row"] == {"vs_dense": pytest.approx(1.3), "vs_chts24": None}
     assert ratios["dense_adamw"] == {"vs_dense": pytest.approx(1.0), "vs_chts24": None}
     assert ratios["cast_1of4_row"] == {"vs_dense": None, "vs_chts24": None}
+
+
+def test_runs_record_data_inside_the_checkout_relative_to_it_so_another_checkout_reads_them_back(bench, tmp_path,
+                                                                                                  monkeypatch):
+    """Finished runs committed from one clone must match the configs another clone resolves (the runs' working
+    directory is the repository root, so the relative path names the same data)."""
+    inside = bench.ROOT / "data" / "some_corpus"
+    args = bench.argparse.Namespace(data=str(inside))
+    assert bench.data_dir(args) == "data/some_corpus"
+    monkeypatch.chdir(bench.ROOT / "tools")
+    assert bench.data_dir(bench.argparse.Namespace(data="../data/some_corpus")) == "data/some_corpus"
+    assert bench.data_dir(bench.argparse.Namespace(data=str(tmp_path))) == str(tmp_path.resolve())
+    overrides = bench.base_overrides(bench.argparse.Namespace(
+        data=str(inside), model="tiny", seq_len=8, micro_batch=2, nproc=1, seed=0, eval_samples=0,
+        warmup_steps=None, overrides=[]))
+    assert "data.dir=data/some_corpus" in overrides

@@ -188,12 +188,19 @@ class RunOutcome:
 
 def base_overrides(args: argparse.Namespace) -> list[str]:
     """Overrides shared by every run of the comparison (the caller's --set last, so they win)."""
-    out = [f"model.preset={args.model}", f"data.dir={Path(args.data).resolve()}", f"data.seq_len={args.seq_len}",
+    out = [f"model.preset={args.model}", f"data.dir={data_dir(args)}", f"data.seq_len={args.seq_len}",
            f"train.micro_batch={args.micro_batch // args.nproc}", "train.grad_accum=1", f"train.seed={args.seed}",
            f"train.eval_samples={args.eval_samples}"]
     if args.warmup_steps is not None:
         out.append(f"train.warmup_steps={args.warmup_steps}")
     return out + list(args.overrides)
+
+
+def data_dir(args: argparse.Namespace) -> str:
+    """--data as the runs record it: relative to the repository root (the runs' working directory) when inside it,
+    so finished runs and results JSON committed from one checkout are read back in another."""
+    path = Path(args.data).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def preset_lrs(method: str, overrides: list[str]) -> tuple[float, float]:
@@ -371,7 +378,7 @@ def on_grid_edge(scale: float, scales: list[float]) -> bool:
 def comparison_config(args: argparse.Namespace, meta: dict) -> dict[str, Any]:
     eval_interval = args.steps // args.eval_points
     return {
-        "data": str(Path(args.data).resolve()), "data_source": meta.get("source"), "vocab_size": meta["vocab_size"],
+        "data": data_dir(args), "data_source": meta.get("source"), "vocab_size": meta["vocab_size"],
         "model": args.model, "steps": args.steps, "micro_batch": args.micro_batch, "seq_len": args.seq_len,
         "tokens_per_step": args.micro_batch * args.seq_len,
         "total_tokens": args.steps * args.micro_batch * args.seq_len,
