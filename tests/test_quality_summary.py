@@ -1,0 +1,115 @@
+"""tools/quality_summary.py on run directories laid out as bench_quality leaves them, with PPLs chosen so the best
+pair, its interiority, the seed statistics and the orderings are known by hand."""
+
+import json
+import math
+
+import pytest
+
+from rankpool import import_tool
+
+STEPS = 1500
+
+
+@pytest.fixture
+def tool():
+    return import_tool("quality_summary")
+
+
+def write_run(root, method, seed, b, d, ppl, *, steps=STEPS, finished_step=None, preset=None):
+    """One run directory; ppl None leaves config.json without result.json (a run in flight)."""
+    run = root / f"seed{seed}" / method / f"sweep_b{b:g}_d{d:g}"
+    run.mkdir(parents=True)
+    config = {"model": {"preset": "small_tied"}, "data": {"dir": "data/pydocs4k", "seq_len": 64},
+              "method": {"preset": preset or method, "lr": 1e-3 * b},
+              "train": {"steps": steps, "lr": 3e-3 * d, "seed": seed, "out_dir": str(run), "warmup_steps": 150}}
+    (run / "config.json").write_text(json.dumps(config))
+    if ppl is not None:
+        step = steps if finished_step is None else finished_step
+        (run / "result.json").write_text(json.dumps({"step": step, "final/val_ppl": ppl}))
+    return run
+
+
+def bowl(b, d, b0, d0, floor):
+    """A PPL surface with its minimum `floor` at (b0, d0) in log-scale."""
+    return floor + (math.log2(b / b0)) ** 2 + 0.5 * (math.log2(d / d0)) ** 2
+
+
+def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
+    for b in (0.5, 1, 2):
+        for d in (1, 2, 4):
+            write_run(tmp_path, "a", 0, b, d, bowl(b, d, 1, 2, 20.0))    # optimum inside the grid
+            write_run(tmp_path, "c", 0, b, d, bowl(b, d, 4, 2, 30.0))    # optimum beyond b2: on the edge
+    write_run(tmp_path, "a", 1, 1, 2, 21.0)
+    write_run(tmp_path, "a", 2, 1, 2, 19.5)
+    write_run(tmp_path, "a", 1, 2, 4, 99.0)    # another seed off the best pair: not one of the best pair's seeds
+    write_run(tmp_path, "c", 1, 2, 2, 20.5)    # c's worst seed (30 + 1 = 31) is above a's, its best below a's worst
+    write_run(tmp_path, "a", 2, 0.5, 1, None)   # in flight
+
+    summary = tool.summarize(tmp_path)
+    a, c = summary["methods"]["a"], summary["methods"]["c"]
+    assert (a["best"]["b"], a["best"]["d"]) == (1, 2) and a["best_interior"] is True
+    assert a["best"]["lr"] == pytest.approx(1e-3) and a["best"]["dense_lr"] == pytest.approx(6e-3)
+    assert a["seeds"] == {"0": 20.0, "1": 21.0, "2": 19.5}
+    assert (a["mean"], a["min"], a["max"]) == (pytest.approx((20.0 + 21.0 + 19.5) / 3), 19.5, 21.0)
+    assert a["missing"] == ["seed2 b0.5 d1"]
+    assert len(a["grid"]) == 9   # seed 0 only
+    assert (c["best"]["b"], c["best"]["d"]) == (2, 2) and c["best_interior"] is False
+    assert c["seeds"] == {"0": 31.0, "1": 20.5}
+    [order] = summary["orderings"]
+    assert (order["lower"], order["higher"]) == ("a", "c")
+    assert order["ratio"] == pytest.approx(a["mean"] / ((31.0 + 20.5) / 2))
+    assert order["every_seed"] is False and order["seeds"] == [3, 2]
+
+
+def test_an_ordering_holds_on_every_seed_only_when_the_ranges_do_not_overlap(tool, tmp_path):
+    for method, values in (("low", (10.0, 10.4)), ("high", (10.5, 11.0))):
+        for seed, ppl in enumerate(values):
+            write_run(tmp_path, method, seed, 1, 1, ppl)
+    [order] = tool.summarize(tmp_path)["orderings"]
+    assert (order["lower"], order["every_seed"]) == ("low", True)
+    write_run(tmp_path, "low", 2, 1, 1, 10.6)   # one seed of `low` above `high`'s best
+    [order] = tool.summarize(tmp_path)["orderings"]
+    assert order["every_seed"] is False
+
+
+def test_interior_needs_points_on_both_sides_of_both_axes(tool):
+    grid = [{"b": b, "d": d} for b, d in ((0.5, 2), (1, 2), (2, 2), (1, 1))]
+    assert tool.interior({"b": 1, "d": 2}, grid) is False   # nothing above d2 at b1
+    assert tool.interior({"b": 1, "d": 2}, grid + [{"b": 1, "d": 4}]) is True
+    assert tool.interior({"b": 1, "d": 2}, [{"b": 1, "d": 1}, {"b": 1, "d": 2}, {"b": 1, "d": 4},
+                                             {"b": 2, "d": 2}]) is False   # nothing below b1 at d2
+
+
+def test_an_unfinished_result_is_missing_not_ranked(tool, tmp_path):
+    write_run(tmp_path, "a", 0, 1, 1, 5.0, finished_step=700)   # result.json of a run cut short
+    write_run(tmp_path, "a", 0, 1, 2, 9.0)
+    entry = tool.summarize(tmp_path)["methods"]["a"]
+    assert [p["ppl"] for p in entry["grid"]] == [9.0] and entry["missing"] == ["seed0 b1 d1"]
+
+
+def test_runs_of_another_protocol_are_refused_by_name(tool, tmp_path, capsys):
+    write_run(tmp_path, "a", 0, 1, 1, 9.0)
+    other = write_run(tmp_path, "b", 0, 1, 1, 8.0, steps=300)
+    with pytest.raises(ValueError, match=f"{other}: another protocol.*train"):
+        tool.summarize(tmp_path)
+    assert tool.main(["--root", str(tmp_path)]) == 2
+    assert str(other) in capsys.readouterr().err
+
+
+def test_a_run_whose_config_is_not_its_path_is_refused(tool, tmp_path):
+    run = write_run(tmp_path, "a", 0, 1, 1, 9.0, preset="b")
+    with pytest.raises(ValueError, match=f"{run}: config.json holds .* method.preset 'b'"):
+        tool.summarize(tmp_path)
+
+
+def test_main_prints_the_tables_and_writes_json(tool, tmp_path, capsys):
+    write_run(tmp_path / "r", "a", 0, 1, 1, 9.0)
+    write_run(tmp_path / "r", "b", 0, 1, 1, 12.0)
+    assert tool.main(["--root", str(tmp_path / "r"), "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "a: seed-0 final val PPL" in out and "9.000" in out
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert saved["machine"]["cpu"] and saved["methods"]["b"]["mean"] == 12.0
+    assert saved["orderings"][0]["ratio"] == pytest.approx(0.75)
+    assert tool.main(["--root", str(tmp_path / "empty")]) == 2

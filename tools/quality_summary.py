@@ -1,0 +1,165 @@
+"""Summary of a full-length bench_quality comparison run over seeds (issue 17 item 7): per method, the grid of
+final validation PPL over (backbone scale b, dense-side scale d) at seed 0, its best pair and whether that pair is
+interior; the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
+whether it holds on every seed.
+
+    python tools/quality_summary.py --root docs/results/quality_small_tied --json docs/results/quality_small_tied.json
+
+Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
+full-length sweep leaves (`--out-root <root>/seed<S>`, `--seed S`); the grid can be partial while the comparison is
+still running: a directory without result.json is listed as missing. Every run must share one protocol (its config
+less the method, the two learning rates, the seed and the output directory); a run of another protocol is refused
+by name, so numbers of different budgets are never ranked together.
+
+A best pair is interior when finished points at the same d lie on both sides of its b, and at the same b on both
+sides of its d; otherwise the optimum may lie outside what was run (widen the grid there). The seed-0 grid chooses
+the pair; the other seeds only run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchlib import add_json_arg, machine_info, print_table, write_json
+
+RUN_DIR = re.compile(r"sweep_b(?P<b>[0-9.]+)_d(?P<d>[0-9.]+)")
+SEED_DIR = re.compile(r"seed(?P<seed>[0-9]+)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", required=True, help="folder holding seed<S>/<method>/sweep_b<b>_d<d> run directories")
+    add_json_arg(p)
+    return p.parse_args(argv)
+
+
+def protocol(config: dict[str, Any]) -> dict[str, Any]:
+    """What every run of one comparison shares: the config less what the comparison varies."""
+    shared = {k: v for k, v in config.items() if k != "method"}
+    shared["train"] = {k: v for k, v in config["train"].items() if k not in ("lr", "seed", "out_dir")}
+    return shared
+
+
+def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every run directory under `root` as {seed, method, b, d, lr, dense_lr, ppl (None: unfinished), path}, and the
+    protocol they share; raises ValueError naming a run whose protocol or seed differs."""
+    runs, shared, first = [], None, None
+    for run_dir in sorted(root.glob("seed*/*/sweep_*")):
+        seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), RUN_DIR.fullmatch(run_dir.name)
+        if seed_match is None or name_match is None or not (run_dir / "config.json").is_file():
+            continue
+        config = json.loads((run_dir / "config.json").read_text())
+        seed = int(seed_match["seed"])
+        if config["train"]["seed"] != seed or config["method"]["preset"] != run_dir.parent.name:
+            raise ValueError(f"{run_dir}: config.json holds train.seed {config['train']['seed']} and method.preset "
+                             f"{config['method']['preset']!r}; allowed: the seed and method its path names")
+        result = run_dir / "result.json"
+        finished = result.is_file() and json.loads(result.read_text())["step"] == config["train"]["steps"]
+        if finished:   # an unfinished run's config may be of an earlier protocol that a rerun will replace
+            if shared is None:
+                shared, first = protocol(config), run_dir
+            elif protocol(config) != shared:
+                differ = sorted(k for k in {*shared, *protocol(config)} if shared.get(k) != protocol(config).get(k))
+                raise ValueError(f"{run_dir}: another protocol than {first} (sections differ: {', '.join(differ)}); "
+                                 "allowed: runs of one comparison under one --root")
+        runs.append({"seed": seed, "method": run_dir.parent.name, "b": float(name_match["b"]),
+                     "d": float(name_match["d"]), "lr": config["method"]["lr"], "dense_lr": config["train"]["lr"],
+                     "ppl": json.loads(result.read_text())["final/val_ppl"] if finished else None,
+                     "path": str(run_dir)})
+    return runs, shared
+
+
+def interior(best: dict[str, Any], grid: list[dict[str, Any]]) -> bool:
+    """True when finished points surround `best` on both axes (same d on both sides of its b, and vice versa)."""
+    same_d = [p["b"] for p in grid if p["d"] == best["d"]]
+    same_b = [p["d"] for p in grid if p["b"] == best["b"]]
+    return (min(same_d) < best["b"] < max(same_d)) and (min(same_b) < best["d"] < max(same_b))
+
+
+def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One method's seed-0 grid, best pair and the seeds at that pair."""
+    grid = [r for r in runs if r["seed"] == 0 and r["ppl"] is not None]
+    entry: dict[str, Any] = {
+        "grid": [{k: r[k] for k in ("b", "d", "lr", "dense_lr", "ppl")} for r in sorted(grid, key=_pair)],
+        "missing": sorted(f"seed{r['seed']} b{r['b']:g} d{r['d']:g}" for r in runs if r["ppl"] is None)}
+    if not grid:
+        return entry
+    best = min(grid, key=lambda r: r["ppl"])
+    seeds = {r["seed"]: r["ppl"] for r in runs if _pair(r) == _pair(best) and r["ppl"] is not None}
+    values = list(seeds.values())
+    entry.update(best={"b": best["b"], "d": best["d"], "lr": best["lr"], "dense_lr": best["dense_lr"]},
+                 best_interior=interior(best, grid), seeds={str(s): seeds[s] for s in sorted(seeds)},
+                 mean=statistics.fmean(values), min=min(values), max=max(values))
+    return entry
+
+
+def orderings(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every pair of summarized methods, lower seed mean first: ratio of the means, and whether the lower one is
+    lower on every seed (its worst seed below the other's best)."""
+    ranked = sorted((m for m in methods if "mean" in methods[m]), key=lambda m: methods[m]["mean"])
+    return [{"lower": a, "higher": b, "ratio": methods[a]["mean"] / methods[b]["mean"],
+             "every_seed": methods[a]["max"] < methods[b]["min"],
+             "seeds": [len(methods[a]["seeds"]), len(methods[b]["seeds"])]}
+            for a, b in itertools.combinations(ranked, 2)]
+
+
+def summarize(root: Path) -> dict[str, Any]:
+    runs, shared = read_runs(root)
+    if not runs:
+        raise ValueError(f"--root: no seed<S>/<method>/sweep_b<b>_d<d> run directory under {root}")
+    by_method = {m: [r for r in runs if r["method"] == m] for m in sorted({r["method"] for r in runs})}
+    methods = {m: summarize_method(rs) for m, rs in by_method.items()}
+    return {"config": {"root": str(root), "protocol": shared}, "methods": methods, "orderings": orderings(methods)}
+
+
+def _pair(run: dict[str, Any]) -> tuple[float, float]:
+    return run["b"], run["d"]
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    for method, entry in summary["methods"].items():
+        ds = sorted({p["d"] for p in entry["grid"]})
+        bs = sorted({p["b"] for p in entry["grid"]})
+        cell = {_pair(p): p["ppl"] for p in entry["grid"]}
+        print(f"\n{method}: seed-0 final val PPL, rows backbone scale b, columns dense-side scale d")
+        if not entry["grid"]:
+            print("no finished run")
+        else:
+            print_table(["b", *(f"d{d:g}" for d in ds)],
+                        [[f"b{b:g}", *(cell.get((b, d), "-") for d in ds)] for b in bs])
+        if entry["missing"]:
+            print(f"unfinished: {', '.join(entry['missing'])}")
+    rows = [[m, f"b{e['best']['b']:g} d{e['best']['d']:g}", "yes" if e["best_interior"] else "no (edge)",
+             len(e["seeds"]), e["mean"], e["min"], e["max"]]
+            for m, e in sorted(summary["methods"].items(), key=lambda kv: kv[1].get("mean", float("inf")))
+            if "mean" in e]
+    print()
+    print_table(["method", "best pair", "interior", "seeds", "mean PPL", "min", "max"], rows)
+    print()
+    print_table(["lower", "higher", "ratio of means", "on every seed", "seeds"],
+                [[o["lower"], o["higher"], o["ratio"], "yes" if o["every_seed"] else "no",
+                  "/".join(map(str, o["seeds"]))] for o in summary["orderings"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = summarize(Path(args.root))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), **summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
