@@ -88,6 +88,20 @@ def test_an_unfinished_result_is_missing_not_ranked(tool, tmp_path):
     assert [p["ppl"] for p in entry["grid"]] == [9.0] and entry["missing"] == ["seed0 b1 d1"]
 
 
+def test_a_diverged_run_is_listed_not_ranked(tool, tmp_path, capsys):
+    write_run(tmp_path, "a", 0, 0.5, 1, float("nan"))   # the trainer's json.dumps writes NaN; first in path order
+    write_run(tmp_path, "a", 0, 1, 1, 20.0)
+    write_run(tmp_path, "a", 1, 1, 1, float("nan"))     # a seed at the best pair that diverged
+    write_run(tmp_path, "a", 2, 1, 1, 22.0)
+    entry = tool.summarize(tmp_path)["methods"]["a"]
+    assert (entry["best"]["b"], entry["best"]["d"]) == (1, 1) and entry["grid"] == [
+        {"b": 1, "d": 1, "lr": pytest.approx(1e-3), "dense_lr": pytest.approx(3e-3), "ppl": 20.0}]
+    assert entry["seeds"] == {"0": 20.0, "2": 22.0} and entry["mean"] == 21.0
+    assert entry["diverged"] == ["seed0 b0.5 d1", "seed1 b1 d1"] and entry["missing"] == []
+    assert tool.main(["--root", str(tmp_path)]) == 0
+    assert "diverged (non-finite PPL, not ranked): seed0 b0.5 d1, seed1 b1 d1" in capsys.readouterr().out
+
+
 def test_runs_of_another_protocol_are_refused_by_name(tool, tmp_path, capsys):
     write_run(tmp_path, "a", 0, 1, 1, 9.0)
     other = write_run(tmp_path, "b", 0, 1, 1, 8.0, steps=300)

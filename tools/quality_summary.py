@@ -7,7 +7,8 @@ whether it holds on every seed.
 
 Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
 full-length sweep leaves (`--out-root <root>/seed<S>`, `--seed S`); the grid can be partial while the comparison is
-still running: a directory without result.json is listed as missing. Every run must share one protocol (its config
+still running: a directory without result.json is listed as missing, and a finished run whose final PPL is not
+finite (the trainer writes NaN for a diverged run) as diverged, neither ranked. Every run must share one protocol (its config
 less the method, the two learning rates, the seed and the output directory); a run of another protocol is refused
 by name, so numbers of different budgets are never ranked together.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import sys
@@ -48,8 +50,8 @@ def protocol(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Every run directory under `root` as {seed, method, b, d, lr, dense_lr, ppl (None: unfinished), path}, and the
-    protocol they share; raises ValueError naming a run whose protocol or seed differs."""
+    """Every run directory under `root` as {seed, method, b, d, lr, dense_lr, finished, ppl (None: unfinished or
+    diverged), path}, and the protocol they share; raises ValueError naming a run whose protocol or seed differs."""
     runs, shared, first = [], None, None
     for run_dir in sorted(root.glob("seed*/*/sweep_*")):
         seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), RUN_DIR.fullmatch(run_dir.name)
@@ -69,9 +71,10 @@ def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
                 differ = sorted(k for k in {*shared, *protocol(config)} if shared.get(k) != protocol(config).get(k))
                 raise ValueError(f"{run_dir}: another protocol than {first} (sections differ: {', '.join(differ)}); "
                                  "allowed: runs of one comparison under one --root")
+        ppl = json.loads(result.read_text())["final/val_ppl"] if finished else None
         runs.append({"seed": seed, "method": run_dir.parent.name, "b": float(name_match["b"]),
                      "d": float(name_match["d"]), "lr": config["method"]["lr"], "dense_lr": config["train"]["lr"],
-                     "ppl": json.loads(result.read_text())["final/val_ppl"] if finished else None,
+                     "finished": finished, "ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
                      "path": str(run_dir)})
     return runs, shared
 
@@ -88,7 +91,8 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
     grid = [r for r in runs if r["seed"] == 0 and r["ppl"] is not None]
     entry: dict[str, Any] = {
         "grid": [{k: r[k] for k in ("b", "d", "lr", "dense_lr", "ppl")} for r in sorted(grid, key=_pair)],
-        "missing": sorted(f"seed{r['seed']} b{r['b']:g} d{r['d']:g}" for r in runs if r["ppl"] is None)}
+        "missing": sorted(_label(r) for r in runs if not r["finished"]),
+        "diverged": sorted(_label(r) for r in runs if r["finished"] and r["ppl"] is None)}
     if not grid:
         return entry
     best = min(grid, key=lambda r: r["ppl"])
@@ -123,6 +127,10 @@ def _pair(run: dict[str, Any]) -> tuple[float, float]:
     return run["b"], run["d"]
 
 
+def _label(run: dict[str, Any]) -> str:
+    return f"seed{run['seed']} b{run['b']:g} d{run['d']:g}"
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     for method, entry in summary["methods"].items():
         ds = sorted({p["d"] for p in entry["grid"]})
@@ -136,6 +144,8 @@ def print_summary(summary: dict[str, Any]) -> None:
                         [[f"b{b:g}", *(cell.get((b, d), "-") for d in ds)] for b in bs])
         if entry["missing"]:
             print(f"unfinished: {', '.join(entry['missing'])}")
+        if entry["diverged"]:
+            print(f"diverged (non-finite PPL, not ranked): {', '.join(entry['diverged'])}")
     rows = [[m, f"b{e['best']['b']:g} d{e['best']['d']:g}", "yes" if e["best_interior"] else "no (edge)",
              len(e["seeds"]), e["mean"], e["min"], e["max"]]
             for m, e in sorted(summary["methods"].items(), key=lambda kv: kv[1].get("mean", float("inf")))
