@@ -30,6 +30,13 @@ def write_run(root, method, seed, b, d, ppl, *, steps=STEPS, finished_step=None,
     return run
 
 
+def edit_config(run, section, **values):
+    """Change `values` in one section of the run's config.json, as a run under other settings would have left it."""
+    config = json.loads((run / "config.json").read_text())
+    config[section].update(values)
+    (run / "config.json").write_text(json.dumps(config))
+
+
 def bowl(b, d, b0, d0, floor):
     """A PPL surface with its minimum `floor` at (b0, d0) in log-scale."""
     return floor + (math.log2(b / b0)) ** 2 + 0.5 * (math.log2(d / d0)) ** 2
@@ -103,17 +110,61 @@ def test_a_diverged_run_is_listed_not_ranked(tool, tmp_path, capsys):
 
 
 def test_runs_of_another_protocol_are_refused_by_name(tool, tmp_path, capsys):
-    write_run(tmp_path, "a", 0, 1, 1, 9.0)
+    first = write_run(tmp_path, "a", 0, 1, 1, 9.0)
     other = write_run(tmp_path, "b", 0, 1, 1, 8.0, steps=300)
-    with pytest.raises(ValueError, match=f"{other}: another protocol.*train"):
+    with pytest.raises(ValueError, match=f"{other}: another protocol than {first} \\(differ: train.steps\\)"):
         tool.summarize(tmp_path)
     assert tool.main(["--root", str(tmp_path)]) == 2
     assert str(other) in capsys.readouterr().err
 
 
-def test_a_run_whose_config_is_not_its_path_is_refused(tool, tmp_path):
-    run = write_run(tmp_path, "a", 0, 1, 1, 9.0, preset="b")
-    with pytest.raises(ValueError, match=f"{run}: config.json holds .* method.preset 'b'"):
+def test_methods_with_their_own_method_settings_and_seeds_are_one_protocol(tool, tmp_path):
+    """Different methods differ in their whole method section (as CHTs24 and STE do), seeds in train.seed and the
+    output directory: one comparison, and its protocol is what they share."""
+    edit_config(write_run(tmp_path, "a", 0, 1, 1, 9.0), "method", rule="adam", topology={"enabled": True})
+    edit_config(write_run(tmp_path, "a", 1, 1, 1, 9.5), "method", rule="adam", topology={"enabled": True})
+    edit_config(write_run(tmp_path, "c", 0, 1, 1, 8.0), "method", rule="tans", topology={"enabled": False})
+    summary = tool.summarize(tmp_path)
+    assert summary["methods"]["a"]["seeds"] == {"0": 9.0, "1": 9.5}
+    assert summary["config"]["protocol"] == {"model": {"preset": "small_tied"},
+                                             "data": {"dir": "data/pydocs4k", "seq_len": 64},
+                                             "train": {"steps": STEPS, "warmup_steps": 150}}
+
+
+def test_a_seed_under_other_method_settings_is_refused(tool, tmp_path):
+    first = write_run(tmp_path, "a", 0, 1, 1, 9.0)
+    edit_config(first, "method", topology={"update_interval": 100})
+    other = write_run(tmp_path, "a", 1, 1, 1, 9.5)
+    edit_config(other, "method", topology={"update_interval": 50})
+    with pytest.raises(ValueError, match=f"{other}: other method settings than {first} "
+                                         "\\(differ: method.topology.update_interval\\)"):
+        tool.summarize(tmp_path)
+
+
+def test_a_seed_at_the_pair_under_other_learning_rates_is_refused(tool, tmp_path):
+    """The pair is named by scale factors; a seed run with another base rate (e.g. --set train.lr=...) has the same
+    directory name but is not at the pair."""
+    first = write_run(tmp_path, "a", 0, 1, 2, 9.0)
+    other = write_run(tmp_path, "a", 1, 1, 2, 9.5)
+    edit_config(other, "train", lr=1e-2)
+    with pytest.raises(ValueError, match=f"{other}: other learning rates at b1 d2 than {first} \\(differ: train.lr\\)"):
+        tool.summarize(tmp_path)
+
+
+def test_an_unfinished_run_of_another_protocol_is_missing_not_refused(tool, tmp_path):
+    """A run in flight may be an earlier protocol's leftover that bench_quality will replace."""
+    write_run(tmp_path, "a", 0, 1, 1, 9.0)
+    write_run(tmp_path, "a", 0, 2, 1, None, steps=300)
+    write_run(tmp_path, "a", 0, 4, 1, 8.0, steps=300, finished_step=150)   # cut short, of another budget too
+    assert tool.summarize(tmp_path)["methods"]["a"]["missing"] == ["seed0 b2 d1", "seed0 b4 d1"]
+
+
+@pytest.mark.parametrize("seed, preset, held", [(1, "a", "train.seed 1 and method.preset 'a'"),
+                                                (0, "b", "train.seed 0 and method.preset 'b'")])
+def test_a_run_whose_config_is_not_its_path_is_refused(tool, tmp_path, seed, preset, held):
+    run = write_run(tmp_path, "a", 0, 1, 1, 9.0, preset=preset)
+    edit_config(run, "train", seed=seed)
+    with pytest.raises(ValueError, match=f"{run}: config.json holds {held}; allowed"):
         tool.summarize(tmp_path)
 
 

@@ -8,9 +8,11 @@ whether it holds on every seed.
 Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
 full-length sweep leaves (`--out-root <root>/seed<S>`, `--seed S`); the grid can be partial while the comparison is
 still running: a directory without result.json is listed as missing, and a finished run whose final PPL is not
-finite (the trainer writes NaN for a diverged run) as diverged, neither ranked. Every run must share one protocol (its config
-less the method, the two learning rates, the seed and the output directory); a run of another protocol is refused
-by name, so numbers of different budgets are never ranked together.
+finite (the trainer writes NaN for a diverged run) as diverged, neither ranked. Every finished run must share one
+protocol (its config less the method, the two learning rates, the seed and the output directory), every finished run
+of a method its method settings (less the backbone learning rate), and every finished run at one pair of a method
+its two learning rates; a run that differs is refused by name, with the keys that differ, so numbers of different
+budgets or settings are never ranked or averaged together.
 
 A best pair is interior when finished points at the same d lie on both sides of its b, and at the same b on both
 sides of its d; otherwise the optimum may lie outside what was run (widen the grid there). The seed-0 grid chooses
@@ -51,32 +53,53 @@ def protocol(config: dict[str, Any]) -> dict[str, Any]:
 
 def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Every run directory under `root` as {seed, method, b, d, lr, dense_lr, finished, ppl (None: unfinished or
-    diverged), path}, and the protocol they share; raises ValueError naming a run whose protocol or seed differs."""
-    runs, shared, first = [], None, None
+    diverged), path}, and the protocol they share; raises ValueError naming a run whose protocol, method settings,
+    learning rates at its pair or seed differ."""
+    runs: list[dict[str, Any]] = []
+    seen: dict[tuple, tuple[Path, dict[str, Any]]] = {}   # what was checked -> (first finished run, its value)
     for run_dir in sorted(root.glob("seed*/*/sweep_*")):
         seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), RUN_DIR.fullmatch(run_dir.name)
         if seed_match is None or name_match is None or not (run_dir / "config.json").is_file():
             continue
         config = json.loads((run_dir / "config.json").read_text())
-        seed = int(seed_match["seed"])
-        if config["train"]["seed"] != seed or config["method"]["preset"] != run_dir.parent.name:
+        seed, method = int(seed_match["seed"]), run_dir.parent.name
+        b, d = float(name_match["b"]), float(name_match["d"])
+        lr, dense_lr = config["method"]["lr"], config["train"]["lr"]
+        if config["train"]["seed"] != seed or config["method"]["preset"] != method:
             raise ValueError(f"{run_dir}: config.json holds train.seed {config['train']['seed']} and method.preset "
                              f"{config['method']['preset']!r}; allowed: the seed and method its path names")
         result = run_dir / "result.json"
         finished = result.is_file() and json.loads(result.read_text())["step"] == config["train"]["steps"]
         if finished:   # an unfinished run's config may be of an earlier protocol that a rerun will replace
-            if shared is None:
-                shared, first = protocol(config), run_dir
-            elif protocol(config) != shared:
-                differ = sorted(k for k in {*shared, *protocol(config)} if shared.get(k) != protocol(config).get(k))
-                raise ValueError(f"{run_dir}: another protocol than {first} (sections differ: {', '.join(differ)}); "
-                                 "allowed: runs of one comparison under one --root")
+            _check_same(seen, ("protocol",), protocol(config), run_dir, "another protocol")
+            _check_same(seen, ("method", method), {"method": {k: v for k, v in config["method"].items() if k != "lr"}},
+                        run_dir, "other method settings")
+            _check_same(seen, ("rates", method, b, d), {"method.lr": lr, "train.lr": dense_lr}, run_dir,
+                        f"other learning rates at b{b:g} d{d:g}")
         ppl = json.loads(result.read_text())["final/val_ppl"] if finished else None
-        runs.append({"seed": seed, "method": run_dir.parent.name, "b": float(name_match["b"]),
-                     "d": float(name_match["d"]), "lr": config["method"]["lr"], "dense_lr": config["train"]["lr"],
+        runs.append({"seed": seed, "method": method, "b": b, "d": d, "lr": lr, "dense_lr": dense_lr,
                      "finished": finished, "ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
                      "path": str(run_dir)})
-    return runs, shared
+    return runs, seen[("protocol",)][1] if ("protocol",) in seen else None
+
+
+def _check_same(seen: dict[tuple, tuple[Path, dict[str, Any]]], key: tuple, value: dict[str, Any], run_dir: Path,
+                what: str) -> None:
+    """Record `value` under `key`, or raise naming `run_dir` and the keys that differ from the first run's."""
+    first, expected = seen.setdefault(key, (run_dir, value))
+    if value != expected:
+        old, new = _flat(expected), _flat(value)
+        differ = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+        raise ValueError(f"{run_dir}: {what} than {first} (differ: {', '.join(differ)}); allowed: runs of one "
+                         "comparison under one --root")
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys: {"train": {"steps": 1500}} -> {"train.steps": 1500}."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def interior(best: dict[str, Any], grid: list[dict[str, Any]]) -> bool:
