@@ -50,7 +50,7 @@ def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
     write_run(tmp_path, "a", 1, 1, 2, 21.0)
     write_run(tmp_path, "a", 2, 1, 2, 19.5)
     write_run(tmp_path, "a", 1, 2, 4, 99.0)    # another seed off the best pair: not one of the best pair's seeds
-    write_run(tmp_path, "c", 1, 2, 2, 20.5)    # c's worst seed (30 + 1 = 31) is above a's, its best below a's worst
+    write_run(tmp_path, "c", 1, 2, 2, 20.5)    # below a on seed 1, and c has no seed 2: not every seed
     write_run(tmp_path, "a", 2, 0.5, 1, None)   # in flight
 
     summary = tool.summarize(tmp_path)
@@ -69,15 +69,28 @@ def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
     assert order["every_seed"] is False and order["seeds"] == [3, 2]
 
 
-def test_an_ordering_holds_on_every_seed_only_when_the_ranges_do_not_overlap(tool, tmp_path):
-    for method, values in (("low", (10.0, 10.4)), ("high", (10.5, 11.0))):
+def test_an_ordering_holds_on_every_seed_when_each_seed_is_ordered_the_same_way(tool, tmp_path):
+    """Paired by seed: the seed ranges may overlap (low's seed 1 is above high's seed 0), each seed is ordered."""
+    for method, values in (("low", (10.0, 10.6)), ("high", (10.5, 11.0))):
         for seed, ppl in enumerate(values):
             write_run(tmp_path, method, seed, 1, 1, ppl)
     [order] = tool.summarize(tmp_path)["orderings"]
-    assert (order["lower"], order["every_seed"]) == ("low", True)
-    write_run(tmp_path, "low", 2, 1, 1, 10.6)   # one seed of `low` above `high`'s best
+    assert (order["lower"], order["every_seed"], order["seeds"]) == ("low", True, [2, 2])
+    write_run(tmp_path, "low", 2, 1, 1, 10.2)   # a seed that `high` has not run: not every seed
     [order] = tool.summarize(tmp_path)["orderings"]
-    assert order["every_seed"] is False
+    assert (order["lower"], order["every_seed"], order["seeds"]) == ("low", False, [3, 2])
+    write_run(tmp_path, "high", 2, 1, 1, 10.2)   # a tie on seed 2 (means 10.267 and 10.567): not lower on it
+    [order] = tool.summarize(tmp_path)["orderings"]
+    assert (order["lower"], order["every_seed"]) == ("low", False)
+
+
+def test_an_ordering_of_the_means_can_be_reversed_on_one_seed(tool, tmp_path):
+    for method, values in (("low", (10.0, 12.0)), ("high", (11.0, 11.5))):   # means 11.0 and 11.25
+        for seed, ppl in enumerate(values):
+            write_run(tmp_path, method, seed, 1, 1, ppl)
+    [order] = tool.summarize(tmp_path)["orderings"]
+    assert (order["lower"], order["higher"], order["every_seed"]) == ("low", "high", False)
+    assert order["ratio"] == pytest.approx(11.0 / 11.25)
 
 
 def test_interior_needs_points_on_both_sides_of_both_axes(tool):

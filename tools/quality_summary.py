@@ -1,7 +1,7 @@
 """Summary of a full-length bench_quality comparison run over seeds (issue 17 item 7): per method, the grid of
 final validation PPL over (backbone scale b, dense-side scale d) at seed 0, its best pair and whether that pair is
 interior; the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
-whether it holds on every seed.
+whether it holds on every seed (the same seeds, each one ordered the same way).
 
     python tools/quality_summary.py --root docs/results/quality_small_tied --json docs/results/quality_small_tied.json
 
@@ -129,12 +129,17 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def orderings(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every pair of summarized methods, lower seed mean first: ratio of the means, and whether the lower one is
-    lower on every seed (its worst seed below the other's best)."""
+    lower on every seed: both have the same seeds at their best pairs and on each the lower one's PPL is below the
+    other's (paired by seed: a seed gives every method the same data order)."""
     ranked = sorted((m for m in methods if "mean" in methods[m]), key=lambda m: methods[m]["mean"])
     return [{"lower": a, "higher": b, "ratio": methods[a]["mean"] / methods[b]["mean"],
-             "every_seed": methods[a]["max"] < methods[b]["min"],
+             "every_seed": _lower_on_every_seed(methods[a]["seeds"], methods[b]["seeds"]),
              "seeds": [len(methods[a]["seeds"]), len(methods[b]["seeds"])]}
             for a, b in itertools.combinations(ranked, 2)]
+
+
+def _lower_on_every_seed(lower: dict[str, float], higher: dict[str, float]) -> bool:
+    return lower.keys() == higher.keys() and all(lower[s] < higher[s] for s in lower)
 
 
 def summarize(root: Path) -> dict[str, Any]:
