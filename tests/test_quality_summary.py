@@ -3,6 +3,7 @@ pair, its interiority, the seed statistics and the orderings are known by hand."
 
 import json
 import math
+import re
 
 import pytest
 
@@ -42,7 +43,7 @@ def bowl(b, d, b0, d0, floor):
     return floor + (math.log2(b / b0)) ** 2 + 0.5 * (math.log2(d / d0)) ** 2
 
 
-def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
+def test_best_pair_interior_seeds_and_orderings(tool, tmp_path, capsys):
     for b in (0.5, 1, 2):
         for d in (1, 2, 4):
             write_run(tmp_path, "a", 0, b, d, bowl(b, d, 1, 2, 20.0))    # optimum inside the grid
@@ -59,7 +60,7 @@ def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
     assert a["best"]["lr"] == pytest.approx(1e-3) and a["best"]["dense_lr"] == pytest.approx(6e-3)
     assert a["seeds"] == {"0": 20.0, "1": 21.0, "2": 19.5}
     assert (a["mean"], a["min"], a["max"]) == (pytest.approx((20.0 + 21.0 + 19.5) / 3), 19.5, 21.0)
-    assert a["missing"] == ["seed2 b0.5 d1"]
+    assert a["missing"] == ["seed2 b0.5 d1"] and a["off_pair"] == ["seed1 b2 d4"] and c["off_pair"] == []
     assert len(a["grid"]) == 9   # seed 0 only
     assert (c["best"]["b"], c["best"]["d"]) == (2, 2) and c["best_interior"] is False
     assert c["seeds"] == {"0": 31.0, "1": 20.5}
@@ -67,6 +68,13 @@ def test_best_pair_interior_seeds_and_orderings(tool, tmp_path):
     assert (order["lower"], order["higher"]) == ("a", "c")
     assert order["ratio"] == pytest.approx(a["mean"] / ((31.0 + 20.5) / 2))
     assert order["every_seed"] is False and order["seeds"] == [3, 2]
+
+    assert tool.main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out   # means 60.5 / 3 and 51.5 / 2, their ratio 0.783
+    assert re.search(r"^a +b1 d2 +yes +3 +20\.167 +19\.500 +21\.000$", out, re.M)
+    assert re.search(r"^c +b2 d2 +no \(edge\) +2 +25\.750 +20\.500 +31\.000$", out, re.M)
+    assert re.search(r"^a +c +0\.783 +no +3/2$", out, re.M)
+    assert "unfinished: seed2 b0.5 d1" in out and "not at the best pair (not used): seed1 b2 d4" in out
 
 
 def test_an_ordering_holds_on_every_seed_when_each_seed_is_ordered_the_same_way(tool, tmp_path):
@@ -99,6 +107,17 @@ def test_interior_needs_points_on_both_sides_of_both_axes(tool):
     assert tool.interior({"b": 1, "d": 2}, grid + [{"b": 1, "d": 4}]) is True
     assert tool.interior({"b": 1, "d": 2}, [{"b": 1, "d": 1}, {"b": 1, "d": 2}, {"b": 1, "d": 4},
                                              {"b": 2, "d": 2}]) is False   # nothing below b1 at d2
+
+
+def test_scales_in_directory_names_as_bench_quality_writes_them(tool, tmp_path):
+    """f"{scale:g}": 0.25 -> b0.25, 1e-05 -> d1e-05, 1.5 -> d1.5."""
+    write_run(tmp_path, "a", 0, 0.25, 1e-05, 7.0)
+    write_run(tmp_path, "a", 0, 0.25, 1.5, 8.0)
+    write_run(tmp_path, "a", 1, 0.25, 1e-05, 9.0)
+    assert (tmp_path / "seed0" / "a" / "sweep_b0.25_d1e-05").is_dir()
+    entry = tool.summarize(tmp_path)["methods"]["a"]
+    assert [(p["b"], p["d"]) for p in entry["grid"]] == [(0.25, 1e-05), (0.25, 1.5)]
+    assert (entry["best"]["b"], entry["best"]["d"]) == (0.25, 1e-05) and entry["seeds"] == {"0": 7.0, "1": 9.0}
 
 
 def test_an_unfinished_result_is_missing_not_ranked(tool, tmp_path):

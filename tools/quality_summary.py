@@ -33,7 +33,8 @@ from typing import Any
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
 
-RUN_DIR = re.compile(r"sweep_b(?P<b>[0-9.]+)_d(?P<d>[0-9.]+)")
+SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
+RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})")
 SEED_DIR = re.compile(r"seed(?P<seed>[0-9]+)")
 
 
@@ -110,15 +111,18 @@ def interior(best: dict[str, Any], grid: list[dict[str, Any]]) -> bool:
 
 
 def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One method's seed-0 grid, best pair and the seeds at that pair."""
+    """One method's seed-0 grid, best pair and the seeds at that pair; `off_pair` lists the other seeds' finished
+    runs at another pair (run at an earlier best pair, before the grid was widened), which are not used."""
     grid = [r for r in runs if r["seed"] == 0 and r["ppl"] is not None]
+    best = min(grid, key=lambda r: r["ppl"]) if grid else None
     entry: dict[str, Any] = {
         "grid": [{k: r[k] for k in ("b", "d", "lr", "dense_lr", "ppl")} for r in sorted(grid, key=_pair)],
         "missing": sorted(_label(r) for r in runs if not r["finished"]),
-        "diverged": sorted(_label(r) for r in runs if r["finished"] and r["ppl"] is None)}
-    if not grid:
+        "diverged": sorted(_label(r) for r in runs if r["finished"] and r["ppl"] is None),
+        "off_pair": sorted(_label(r) for r in runs if r["seed"] != 0 and r["ppl"] is not None
+                           and (best is None or _pair(r) != _pair(best)))}
+    if best is None:
         return entry
-    best = min(grid, key=lambda r: r["ppl"])
     seeds = {r["seed"]: r["ppl"] for r in runs if _pair(r) == _pair(best) and r["ppl"] is not None}
     values = list(seeds.values())
     entry.update(best={"b": best["b"], "d": best["d"], "lr": best["lr"], "dense_lr": best["dense_lr"]},
@@ -174,6 +178,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             print(f"unfinished: {', '.join(entry['missing'])}")
         if entry["diverged"]:
             print(f"diverged (non-finite PPL, not ranked): {', '.join(entry['diverged'])}")
+        if entry["off_pair"]:
+            print(f"not at the best pair (not used): {', '.join(entry['off_pair'])}")
     rows = [[m, f"b{e['best']['b']:g} d{e['best']['d']:g}", "yes" if e["best_interior"] else "no (edge)",
              len(e["seeds"]), e["mean"], e["min"], e["max"]]
             for m, e in sorted(summary["methods"].items(), key=lambda kv: kv[1].get("mean", float("inf")))
