@@ -173,13 +173,15 @@ def test_a_seed_under_other_method_settings_is_refused(tool, tmp_path):
         tool.summarize(tmp_path)
 
 
-def test_a_seed_at_the_pair_under_other_learning_rates_is_refused(tool, tmp_path):
+@pytest.mark.parametrize("section, key", [("train", "lr"), ("method", "lr")])
+def test_a_seed_at_the_pair_under_other_learning_rates_is_refused(tool, tmp_path, section, key):
     """The pair is named by scale factors; a seed run with another base rate (e.g. --set train.lr=...) has the same
     directory name but is not at the pair."""
     first = write_run(tmp_path, "a", 0, 1, 2, 9.0)
     other = write_run(tmp_path, "a", 1, 1, 2, 9.5)
-    edit_config(other, "train", lr=1e-2)
-    with pytest.raises(ValueError, match=f"{other}: other learning rates at b1 d2 than {first} \\(differ: train.lr\\)"):
+    edit_config(other, section, **{key: 1e-2})
+    with pytest.raises(ValueError, match=f"{other}: other learning rates at b1 d2 than {first} "
+                                         f"\\(differ: {section}.{key}\\)"):
         tool.summarize(tmp_path)
 
 
