@@ -7,12 +7,12 @@ whether it holds on every seed (the same seeds, each one ordered the same way).
 
 Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
 full-length sweep leaves (`--out-root <root>/seed<S>`, `--seed S`); the grid can be partial while the comparison is
-still running: a directory without result.json is listed as missing, and a finished run whose final PPL is not
-finite (the trainer writes NaN for a diverged run) as diverged, neither ranked. Every finished run must share one
-protocol (its config less the method, the two learning rates, the seed and the output directory), every finished run
-of a method its method settings (less the backbone learning rate), and every finished run at one pair of a method
-its two learning rates; a run that differs is refused by name, with the keys that differ, so numbers of different
-budgets or settings are never ranked or averaged together.
+still running: a directory without a result.json of its config's step count (in flight, or cut short) is listed as
+missing, and a finished run whose final PPL is not finite (the trainer writes NaN for a diverged run) as diverged,
+neither ranked. Every finished run must share one protocol (its config less the method, the two learning rates, the
+seed and the output directory), every finished run of a method its method settings (less the backbone learning
+rate), and every finished run at one pair of a method its two learning rates; a run that differs is refused by name,
+with the keys that differ, so numbers of different budgets or settings are never ranked or averaged together.
 
 A best pair is interior when finished points at the same d lie on both sides of its b, and at the same b on both
 sides of its d; otherwise the optimum may lie outside what was run (widen the grid there). The seed-0 grid chooses
@@ -69,15 +69,16 @@ def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         if config["train"]["seed"] != seed or config["method"]["preset"] != method:
             raise ValueError(f"{run_dir}: config.json holds train.seed {config['train']['seed']} and method.preset "
                              f"{config['method']['preset']!r}; allowed: the seed and method its path names")
-        result = run_dir / "result.json"
-        finished = result.is_file() and json.loads(result.read_text())["step"] == config["train"]["steps"]
+        result_path = run_dir / "result.json"
+        result = json.loads(result_path.read_text()) if result_path.is_file() else None
+        finished = result is not None and result["step"] == config["train"]["steps"]
         if finished:   # an unfinished run's config may be of an earlier protocol that a rerun will replace
             _check_same(seen, ("protocol",), protocol(config), run_dir, "another protocol")
             _check_same(seen, ("method", method), {"method": {k: v for k, v in config["method"].items() if k != "lr"}},
                         run_dir, "other method settings")
             _check_same(seen, ("rates", method, b, d), {"method.lr": lr, "train.lr": dense_lr}, run_dir,
                         f"other learning rates at b{b:g} d{d:g}")
-        ppl = json.loads(result.read_text())["final/val_ppl"] if finished else None
+        ppl = result["final/val_ppl"] if finished else None
         runs.append({"seed": seed, "method": method, "b": b, "d": d, "lr": lr, "dense_lr": dense_lr,
                      "finished": finished, "ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
                      "path": str(run_dir)})
