@@ -67,13 +67,13 @@ def test_best_pair_interior_seeds_and_orderings(tool, tmp_path, capsys):
     [order] = summary["orderings"]
     assert (order["lower"], order["higher"]) == ("a", "c")
     assert order["ratio"] == pytest.approx(a["mean"] / ((31.0 + 20.5) / 2))
-    assert order["every_seed"] is False and order["seeds"] == [3, 2]
+    assert order["every_seed"] is None and order["ranges_apart"] is False and order["seeds"] == [3, 2]
 
     assert tool.main(["--root", str(tmp_path)]) == 0
     out = capsys.readouterr().out   # means 60.5 / 3 and 51.5 / 2, their ratio 0.783
     assert re.search(r"^a +b1 d2 +yes +3 +20\.167 +19\.500 +21\.000$", out, re.M)
     assert re.search(r"^c +b2 d2 +no \(edge\) +2 +25\.750 +20\.500 +31\.000$", out, re.M)
-    assert re.search(r"^a +c +0\.783 +no +3/2$", out, re.M)
+    assert re.search(r"^a +c +0\.783 +- +no +3/2$", out, re.M)
     assert "unfinished: seed2 b0.5 d1" in out and "not at the best pair (not used): seed1 b2 d4" in out
 
 
@@ -84,9 +84,10 @@ def test_an_ordering_holds_on_every_seed_when_each_seed_is_ordered_the_same_way(
             write_run(tmp_path, method, seed, 1, 1, ppl)
     [order] = tool.summarize(tmp_path)["orderings"]
     assert (order["lower"], order["every_seed"], order["seeds"]) == ("low", True, [2, 2])
-    write_run(tmp_path, "low", 2, 1, 1, 10.2)   # a seed that `high` has not run: not every seed
+    assert order["ranges_apart"] is False
+    write_run(tmp_path, "low", 2, 1, 1, 10.2)   # a seed that `high` has not run: not paired
     [order] = tool.summarize(tmp_path)["orderings"]
-    assert (order["lower"], order["every_seed"], order["seeds"]) == ("low", False, [3, 2])
+    assert (order["lower"], order["every_seed"], order["seeds"]) == ("low", None, [3, 2])
     write_run(tmp_path, "high", 2, 1, 1, 10.2)   # a tie on seed 2 (means 10.267 and 10.567): not lower on it
     [order] = tool.summarize(tmp_path)["orderings"]
     assert (order["lower"], order["every_seed"]) == ("low", False)
@@ -212,3 +213,13 @@ def test_main_prints_the_tables_and_writes_json(tool, tmp_path, capsys):
     assert saved["machine"]["cpu"] and saved["methods"]["b"]["mean"] == 12.0
     assert saved["orderings"][0]["ratio"] == pytest.approx(0.75)
     assert tool.main(["--root", str(tmp_path / "empty")]) == 2
+
+
+def test_ranges_apart_when_the_lower_methods_worst_seed_is_below_the_others_best(tool, tmp_path):
+    for method, values in (("low", (10.0, 10.4)), ("high", (10.5, 11.0))):
+        for seed, ppl in enumerate(values):
+            write_run(tmp_path, method, seed, 1, 1, ppl)
+    write_run(tmp_path, "one", 0, 1, 1, 10.45)   # a one-seed baseline between them
+    by_pair = {(o["lower"], o["higher"]): o for o in tool.summarize(tmp_path)["orderings"]}
+    assert [(k, o["ranges_apart"], o["every_seed"]) for k, o in by_pair.items()] == [
+        (("low", "one"), True, None), (("low", "high"), True, True), (("one", "high"), True, None)]

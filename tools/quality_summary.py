@@ -133,18 +133,22 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def orderings(methods: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every pair of summarized methods, lower seed mean first: ratio of the means, and whether the lower one is
-    lower on every seed: both have the same seeds at their best pairs and on each the lower one's PPL is below the
-    other's (paired by seed: a seed gives every method the same data order)."""
+    """Every pair of summarized methods, lower seed mean first: the ratio of the means; `every_seed`, whether the
+    lower one is lower on each seed (paired: a seed gives every method the same data order), None when the two did
+    not run the same seeds (a one-seed baseline against a three-seed method); and `ranges_apart`, whether the lower
+    one's worst seed is below the other's best, the unpaired and stronger statement."""
     ranked = sorted((m for m in methods if "mean" in methods[m]), key=lambda m: methods[m]["mean"])
     return [{"lower": a, "higher": b, "ratio": methods[a]["mean"] / methods[b]["mean"],
              "every_seed": _lower_on_every_seed(methods[a]["seeds"], methods[b]["seeds"]),
+             "ranges_apart": methods[a]["max"] < methods[b]["min"],
              "seeds": [len(methods[a]["seeds"]), len(methods[b]["seeds"])]}
             for a, b in itertools.combinations(ranked, 2)]
 
 
-def _lower_on_every_seed(lower: dict[str, float], higher: dict[str, float]) -> bool:
-    return lower.keys() == higher.keys() and all(lower[s] < higher[s] for s in lower)
+def _lower_on_every_seed(lower: dict[str, float], higher: dict[str, float]) -> bool | None:
+    if lower.keys() != higher.keys():
+        return None
+    return all(lower[s] < higher[s] for s in lower)
 
 
 def summarize(root: Path) -> dict[str, Any]:
@@ -188,8 +192,9 @@ def print_summary(summary: dict[str, Any]) -> None:
     print()
     print_table(["method", "best pair", "interior", "seeds", "mean PPL", "min", "max"], rows)
     print()
-    print_table(["lower", "higher", "ratio of means", "on every seed", "seeds"],
-                [[o["lower"], o["higher"], o["ratio"], "yes" if o["every_seed"] else "no",
+    paired = {True: "yes", False: "no", None: "-"}   # "-": the two ran different seeds
+    print_table(["lower", "higher", "ratio of means", "on every seed", "ranges apart", "seeds"],
+                [[o["lower"], o["higher"], o["ratio"], paired[o["every_seed"]], "yes" if o["ranges_apart"] else "no",
                   "/".join(map(str, o["seeds"]))] for o in summary["orderings"]])
 
 
