@@ -225,6 +225,52 @@ def test_a_json_of_another_comparison_is_refused_naming_the_setting(bench, fake_
     assert "steps (20 there, 30 now)" in capsys.readouterr().err
 
 
+def record_finished_run(bench, args, spec):
+    """Leave in spec.out_dir what a finished run of `spec` leaves: its resolved config and a result."""
+    from distsparse.config import config_to_dict, load_config
+    spec.out_dir.mkdir(parents=True)
+    config = config_to_dict(load_config(None, bench.run_overrides(args, spec)))
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    (spec.out_dir / "result.json").write_text(json.dumps({"step": spec.steps, "final/val_ppl": 42.0}))
+
+
+def test_a_finished_run_of_another_config_is_refused_before_any_training_naming_the_keys(bench, fake_data,
+                                                                                         tmp_path, monkeypatch,
+                                                                                         capsys):
+    calls, real_train = [], bench.train
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0))
+    argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
+            "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1", "--dense-lr-scales", "1,2", "--sweep-steps", "40",
+            "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]
+    args = bench.parse_args(argv)
+    specs = bench.sweep_specs(args, "chts24_1of4_row")
+    # The b1 d2 directory holds a finished run at another dense-side rate and seed; b1 d1 one at its own config,
+    # and dense_adamw's an interrupted attempt (no result.json): neither of those two is in the way.
+    other = specs[(1.0, 2.0)]
+    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]),
+                        bench.RunSpec(**{**vars(other), "dense_lr": 3 * other.dense_lr}))
+    record_finished_run(bench, args, specs[(1.0, 1.0)])
+    interrupted = bench.full_spec(args, "dense_adamw", 1.0, 1.0).out_dir
+    interrupted.mkdir(parents=True)
+    (interrupted / "config.json").write_text("{}")
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert calls == [] and not (tmp_path / "q.json").exists()
+    assert str(other.out_dir) in err and "--force" in err
+    assert f"train.lr: {3 * other.dense_lr!r} there, {other.dense_lr!r} here" in err
+    assert "train.seed: 7 there, 0 here" in err and "method.lr" not in err
+    assert json.loads((other.out_dir / "result.json").read_text())["final/val_ppl"] == 42.0
+
+    # The trainer itself refuses too (the full run after a short sweep is known only then), keeping the run.
+    with pytest.raises(ValueError, match="train.seed: 7 there, 0 here"):
+        real_train(args, other)
+    assert (other.out_dir / "result.json").is_file()
+
+    assert bench.main(argv + ["--force"]) == 0
+    assert [c.out_dir for c in calls] == [interrupted, specs[(1.0, 1.0)].out_dir, other.out_dir]
+
+
 def test_an_unknown_preset_fails_before_any_training(bench, fake_data, tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0))

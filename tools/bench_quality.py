@@ -33,8 +33,9 @@ point, the chosen pair and whether it lies on the grid's edge (then the grid sho
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
 `train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
-missing point. The DeepSpeed JSON is not part of that config: give runs under another --ds-config their own
---out-root.
+missing point. A finished run there under another config is refused before anything trains, naming the keys
+that differ (--force replaces it): retraining would delete it. The DeepSpeed JSON is not part of that config:
+give runs under another --ds-config their own --out-root.
 """
 
 from __future__ import annotations
@@ -235,16 +236,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _resolved_config(args: argparse.Namespace, run: RunSpec) -> dict:
+    """The config run.out_dir's config.json will hold after this run, without train.out_dir."""
+    from distsparse.config import config_to_dict, load_config
+    config = json.loads(json.dumps(config_to_dict(load_config(None, run_overrides(args, run)))))
+    config["train"].pop("out_dir")
+    return config
+
+
+def _earlier_config(run: RunSpec) -> dict | None:
+    """The config of the run that finished in run.out_dir (without train.out_dir); None when none did."""
+    if not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
+        return None
+    found = json.loads((run.out_dir / "config.json").read_text())
+    found.get("train", {}).pop("out_dir", None)
+    return found
+
+
 def finished_earlier(args: argparse.Namespace, run: RunSpec) -> bool:
     """True when run.out_dir holds the result of a run with this run's resolved config (all but its out_dir)."""
-    from distsparse.config import config_to_dict, load_config
-    if args.force or not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
-        return False
-    expected = json.loads(json.dumps(config_to_dict(load_config(None, run_overrides(args, run)))))
-    found = json.loads((run.out_dir / "config.json").read_text())
-    expected["train"].pop("out_dir")
-    found.get("train", {}).pop("out_dir", None)
-    return found == expected
+    found = None if args.force else _earlier_config(run)
+    return found is not None and found == _resolved_config(args, run)
+
+
+def refuse_to_replace(args: argparse.Namespace, run: RunSpec) -> None:
+    """Raise ValueError, naming the keys that differ, when run.out_dir holds a finished run of another config:
+    retraining would delete a result that may be the only copy (an hour of CPU). --force replaces it."""
+    found = None if args.force else _earlier_config(run)
+    if found is None:
+        return
+    expected = _resolved_config(args, run)
+    if found == expected:
+        return
+    from distsparse.train.metrics import flatten_config
+    there, here = flatten_config(found), flatten_config(expected)
+    keys = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
+    shown = "; ".join(f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in keys[:6])
+    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    raise ValueError(f"{run.out_dir} holds a finished run of another config ({shown}{more}); give this "
+                     "comparison its own --out-root, move that run away, or pass --force to replace it")
 
 
 def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
@@ -253,8 +283,9 @@ def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
     if finished_earlier(args, run):
         print(f"  [{run.label}] finished earlier in {run.out_dir} with the same config; read back", flush=True)
         return read_outcome(args, run, returncode=0, tail=[], wall_s=None)
+    refuse_to_replace(args, run)
     if run.out_dir.exists():
-        shutil.rmtree(run.out_dir)   # a previous attempt's event files would mix into the curve
+        shutil.rmtree(run.out_dir)   # an interrupted attempt's event files would mix into the curve
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu" if not _cuda_available() else "cuda")
     env["PYTHONUNBUFFERED"] = "1"
@@ -319,23 +350,35 @@ def read_curve(tb_dir: Path, tokens_per_step: int) -> list[list[float]]:
 
 # ---- one method ------------------------------------------------------------------------------------------
 
+def sweep_specs(args: argparse.Namespace, method: str) -> dict[tuple[float, float], RunSpec]:
+    """The runs of `method`'s LR sweep, by (backbone scale, dense-side scale)."""
+    lr, dense_lr = preset_lrs(method, base_overrides(args))
+    full_length = args.sweep_steps == args.steps
+    # A full-length point may be the result, so it is evaluated at the comparison's token counts.
+    sweep_eval = args.steps // args.eval_points if full_length else args.sweep_steps
+    return {(b, d): RunSpec(f"{method} b{b:g} d{d:g}", method, args.sweep_steps, sweep_eval, lr * b, dense_lr * d,
+                            Path(args.out_root) / method / f"sweep_b{b:g}_d{d:g}")
+            for b in args.lr_scales for d in args.dense_lr_scales}
+
+
+def full_spec(args: argparse.Namespace, method: str, scale: float, dense_scale: float) -> RunSpec:
+    """The full-length run of `method` at `scale` x its preset's method.lr and `dense_scale` x train.lr."""
+    lr, dense_lr = preset_lrs(method, base_overrides(args))
+    return RunSpec(method, method, args.steps, args.steps // args.eval_points, lr * scale, dense_lr * dense_scale,
+                   Path(args.out_root) / method / "full")
+
+
 def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, Any]:
     """Train `method` (after its LR sweep, if asked) and return its JSON entry."""
-    lr, dense_lr = preset_lrs(method, base_overrides(args))
-    method_dir = Path(args.out_root) / method
     entry: dict[str, Any] = {}
-    eval_interval = args.steps // args.eval_points
     scale, dense_scale, chosen = 1.0, 1.0, None
     if method in args.lr_sweep:
         full_length = args.sweep_steps == args.steps
-        sweep_eval = eval_interval if full_length else args.sweep_steps   # a full-length point may be the result
-        grid = [(b, d) for b in args.lr_scales for d in args.dense_lr_scales]
         outcomes = {}   # (backbone scale, dense-side scale) -> (spec, outcome)
-        for i, (b, d) in enumerate(grid, start=1):
-            print(f"{label}: LR sweep {i}/{len(grid)}: backbone x{b:g} (method.lr {lr * b:.3g}), dense side "
-                  f"x{d:g} (train.lr {dense_lr * d:.3g}), {args.sweep_steps} steps", flush=True)
-            spec = RunSpec(f"{method} b{b:g} d{d:g}", method, args.sweep_steps, sweep_eval, lr * b, dense_lr * d,
-                           method_dir / f"sweep_b{b:g}_d{d:g}")
+        specs = sweep_specs(args, method)
+        for i, ((b, d), spec) in enumerate(specs.items(), start=1):
+            print(f"{label}: LR sweep {i}/{len(specs)}: backbone x{b:g} (method.lr {spec.lr:.3g}), dense side "
+                  f"x{d:g} (train.lr {spec.dense_lr:.3g}), {args.sweep_steps} steps", flush=True)
             outcomes[(b, d)] = (spec, train(args, spec))
         points = [{"lr_scale": b, "dense_lr_scale": d, "lr": spec.lr, "dense_lr": spec.dense_lr,
                    "final_ppl": outcome.final_ppl, "skipped": outcome.skipped}
@@ -344,6 +387,7 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
         entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
         if not finished:
+            lr, dense_lr = preset_lrs(method, base_overrides(args))
             return {"final_ppl": None, "curve": [], "lr": lr, "dense_lr": dense_lr,
                     "skipped": "LR sweep: no sweep run finished", **entry}
         best = min(finished, key=lambda p: p["final_ppl"])
@@ -358,8 +402,7 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
     if chosen is not None:
         spec, outcome = chosen
     else:
-        spec = RunSpec(method, method, args.steps, eval_interval, lr * scale, dense_lr * dense_scale,
-                       method_dir / "full")
+        spec = full_spec(args, method, scale, dense_scale)
         outcome = train(args, spec)
     wall_s = round(outcome.wall_s, 1) if outcome.wall_s is not None else None
     return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": spec.lr, "dense_lr": spec.dense_lr,
@@ -485,6 +528,19 @@ def plot(path: Path, methods: dict[str, dict], config: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def done_in_json(args: argparse.Namespace, previous: dict | None) -> bool:
+    """True when a method's entry from an earlier invocation is a result this invocation keeps."""
+    return previous is not None and previous["skipped"] is None and not args.force
+
+
+def planned_runs(args: argparse.Namespace, method: str) -> list[RunSpec]:
+    """The runs of `method` known before any training: its sweep points, or its full run at the preset's rates.
+    (The full run after a short sweep depends on the sweep's outcome.)"""
+    if method in args.lr_sweep:
+        return list(sweep_specs(args, method).values())
+    return [full_spec(args, method, 1.0, 1.0)]
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
     # Unwinds through train()'s finally, which stops the running subprocess.
     raise SystemExit(128 + signum)
@@ -499,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         methods = load_previous(json_path, config)
         for method in args.methods:   # unknown presets fail before any training
             preset_lrs(method, base_overrides(args))
+        for method in args.methods:   # so does a finished run that training would replace
+            if not done_in_json(args, methods.get(method)):
+                for spec in planned_runs(args, method):
+                    refuse_to_replace(args, spec)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -507,12 +567,16 @@ def main(argv: list[str] | None = None) -> int:
         for i, method in enumerate(args.methods, start=1):
             label = f"[{i}/{len(args.methods)}] {method}"
             previous = methods.get(method)
-            if previous is not None and previous["skipped"] is None and not args.force:
+            if done_in_json(args, previous):
                 print(f"{label}: in {json_path} already (final PPL {previous['final_ppl']:.2f}); skipped "
                       "(--force reruns it)", flush=True)
                 continue
             print(f"{label}: training", flush=True)
-            entry = methods[method] = run_method(args, method, label)
+            try:
+                entry = methods[method] = run_method(args, method, label)
+            except ValueError as err:   # the full run after a short sweep, known only now; JSON holds the rest
+                print(f"error: {err}", file=sys.stderr)
+                return 2
             status = f"final PPL {entry['final_ppl']:.2f}" if entry["skipped"] is None else \
                 f"skipped: {entry['skipped']}"
             print(f"{label}: {status}", flush=True)
