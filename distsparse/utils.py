@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 
 def hash_seed(text: str) -> int:
@@ -15,3 +16,15 @@ def hash_seed(text: str) -> int:
 def stable_seed(*parts: object) -> int:
     """A 63-bit seed from any parts (ints, names): the parts joined by "|"."""
     return hash_seed("|".join(map(str, parts)))
+
+
+def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as one level of dotted keys ("train.lr"); an empty dict stays a value, so a section
+    without settings is still a key that can differ."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten_config(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -268,7 +268,7 @@ def refuse_to_replace(args: argparse.Namespace, run: RunSpec) -> None:
     expected = _resolved_config(args, run)
     if found == expected:
         return
-    from distsparse.train.metrics import flatten_config
+    from distsparse.utils import flatten_config
     there, here = flatten_config(found), flatten_config(expected)
     keys = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
     shown = "; ".join(f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in keys[:6])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
-from distsparse.train.metrics import flatten_config
+from distsparse.utils import flatten_config
 
 SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
 RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})")

@@ -16,6 +16,7 @@ from typing import Any
 from distsparse.checkpoint.manifest import CheckpointError, candidates, read_manifest
 from distsparse.config import Config, config_to_dict
 from distsparse.optim.rules import RULES
+from distsparse.utils import flatten_config
 
 MUST_MATCH = (   # a key, or every key under a prefix ending in "."
     "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.tie_word_embeddings",
@@ -29,16 +30,6 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints")
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _shown(key: str, value: Any) -> str:
     if key == "method.rule" and value in RULES:   # the rule decides the layout of the saved backbone state
         rule = RULES[value]
@@ -49,7 +40,7 @@ def _shown(key: str, value: Any) -> str:
 def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[str]:
     """The allowed differences between the saved run and `cfg` ("key saved -> run"); ValueError naming every
     difference that is not allowed, with both values."""
-    saved, run = _flat(manifest.get("config") or {}), _flat(config_to_dict(cfg))
+    saved, run = flatten_config(manifest.get("config") or {}), flatten_config(config_to_dict(cfg))
     refused, changed = [], []
     for key in sorted(saved.keys() | run.keys()):
         old, new = saved.get(key, ABSENT), run.get(key, ABSENT)

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from distsparse.utils import flatten_config
+
 
 class MetricsWriter(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
@@ -37,7 +39,7 @@ class TensorBoardWriter:
         self.writer.flush()
 
     def hparams(self, config: dict, metrics: dict[str, float]) -> None:
-        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in _flatten(config).items()}
+        flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flatten_config(config).items()}
         self.writer.add_hparams(flat, metrics, run_name=".")
         self.writer.flush()
 
@@ -45,23 +47,8 @@ class TensorBoardWriter:
         self.writer.close()
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
-
-
 def peak_memory_gb() -> float:
     """Peak GPU memory allocated, or the process's peak RSS on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
-
-
-def flatten_config(config: dict) -> dict:
-    return _flatten(config)
