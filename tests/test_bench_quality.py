@@ -2,6 +2,7 @@
 plot, resumability), and its LR sweep, failure handling and reference ratios with the trainer replaced by a
 stand-in whose PPL is a known function of the learning rate."""
 
+import io
 import json
 import math
 import random
@@ -269,6 +270,119 @@ def test_a_finished_run_of_another_config_is_refused_before_any_training_naming_
 
     assert bench.main(argv + ["--force"]) == 0
     assert [c.out_dir for c in calls] == [interrupted, specs[(1.0, 1.0)].out_dir, other.out_dir]
+
+
+def fake_popen(bench, launched):
+    """A Popen stand-in for the real train(): it writes what a finished run writes (its resolved config and a
+    result whose PPL grows with train.lr), after checking that no earlier attempt's file is left."""
+    from distsparse.config import config_to_dict, load_config
+
+    class Finished:
+        def __init__(self, cmd, **kwargs):
+            config = config_to_dict(load_config(None, [a for a in cmd if "=" in a and not a.startswith("-")]))
+            out = Path(config["train"]["out_dir"])
+            launched.append(out)
+            assert not (out / "stale").exists(), "an interrupted attempt's files are left in the run directory"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(config))
+            (out / "result.json").write_text(json.dumps({"final/val_ppl": 50.0 + 1000 * config["train"]["lr"],
+                                                         "final/val_loss": 1.0, "final/train_loss": 1.0}))
+            self.stdout = io.StringIO("ok\n")
+
+        def wait(self, timeout=None):
+            return 0
+
+        def poll(self):
+            return 0
+    return Finished
+
+
+def test_the_trainer_removes_an_interrupted_attempt_reads_back_its_own_config_and_refuses_another(
+        bench, fake_data, tmp_path, monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr(bench.subprocess, "Popen", fake_popen(bench, launched))
+    argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
+            "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path / "runs")]
+    interrupted = bench.full_spec(bench.parse_args(argv), "dense_adamw", 1.0, 1.0).out_dir
+    interrupted.mkdir(parents=True)
+    (interrupted / "stale").write_text("event file of a killed attempt")
+    (interrupted / "config.json").write_text("{}")
+    assert bench.main(argv) == 0
+    assert len(launched) == 2 and not (interrupted / "stale").exists()
+
+    (tmp_path / "q.json").unlink()
+    launched.clear()
+    assert bench.main(argv) == 0
+    assert launched == [] and capsys.readouterr().out.count("with the same config; read back") == 2
+
+    (tmp_path / "q.json").unlink()
+    assert bench.main(argv + ["--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert launched == [] and "train.seed: 0 there, 3 here" in err and str(interrupted) in err
+    assert bench.main(argv + ["--force"]) == 0 and len(launched) == 2   # --force retrains, not reads back
+
+
+def test_the_full_run_after_a_short_sweep_is_refused_when_its_rates_are_known_keeping_the_json(
+        bench, fake_data, tmp_path, monkeypatch, capsys):
+    launched = []
+    monkeypatch.setattr(bench.subprocess, "Popen", fake_popen(bench, launched))
+    argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
+            "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1", "--dense-lr-scales", "0.5,1", "--sweep-steps", "10",
+            "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path / "runs")]
+    args = bench.parse_args(argv)
+    full = bench.full_spec(args, "chts24_1of4_row", 1.0, 1.0)   # the sweep picks d0.5 (lower train.lr, lower PPL)
+    record_finished_run(bench, args, full)
+    assert bench.main(argv) == 2
+    assert str(full.out_dir) in capsys.readouterr().err and len(launched) == 3   # dense, then the two points
+    assert json.loads((tmp_path / "q.json").read_text())["methods"].keys() == {"dense_adamw"}
+    assert (full.out_dir / "result.json").is_file()
+
+
+def test_a_key_one_config_lacks_is_named_even_against_none(bench, fake_data, tmp_path):
+    args = bench.parse_args(["--data", str(fake_data), "--methods", "dense_adamw", "--steps", "40",
+                             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
+    spec = bench.full_spec(args, "dense_adamw", 1.0, 1.0)
+    record_finished_run(bench, args, spec)
+    config = json.loads((spec.out_dir / "config.json").read_text())
+    config["train"]["new_option"] = None   # a run of a checkout with one more config field
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(bench.RunInTheWay, match="train.new_option: None there, '<absent>' here"):
+        bench.refuse_to_replace(args, spec)
+
+
+def test_only_methods_still_to_train_are_checked_and_other_errors_are_not_swallowed(bench, fake_data, tmp_path,
+                                                                                     monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, calls, 1.0))
+    argv = ["--data", str(fake_data), "--methods", "chts24_1of4_row,dense_adamw", "--steps", "40",
+            "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]
+    assert bench.main(argv + ["--methods", "chts24_1of4_row"]) == 0
+    # dense_adamw's full run is in the way: refused before chts24 (done) or anything else runs ...
+    full = bench.full_spec(bench.parse_args(argv), "dense_adamw", 1.0, 1.0)
+    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]), full)
+    calls.clear()
+    assert bench.main(argv) == 2
+    assert calls == [] and str(full.out_dir) in capsys.readouterr().err
+    # ... while another config in chts24's directory does not block chts24, which is in the JSON already.
+    (full.out_dir / "result.json").unlink()
+    chts24 = bench.full_spec(bench.parse_args(argv), "chts24_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]), chts24)
+    assert bench.main(argv) == 0 and [c.method for c in calls] == ["dense_adamw"]
+
+    def broken(args, run):
+        raise ValueError("a bug in the trainer")
+    monkeypatch.setattr(bench, "train", broken)
+    with pytest.raises(ValueError, match="a bug in the trainer"):
+        bench.main(argv + ["--force"])
+
+
+def test_a_sweep_with_no_finished_point_records_the_preset_rates(bench, fake_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "train", fake_trainer(bench, [], 1.0, failing={"dense_adamw"}))
+    assert bench.main(["--data", str(fake_data), "--methods", "dense_adamw", "--steps", "40", "--lr-sweep",
+                       "dense_adamw", "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]) == 0
+    entry = json.loads((tmp_path / "q.json").read_text())["methods"]["dense_adamw"]
+    assert entry["skipped"] == "LR sweep: no sweep run finished" and entry["final_ppl"] is None
+    assert entry["lr"] == pytest.approx(preset_lr("dense_adamw")) and entry["dense_lr"] == DEFAULT_TRAIN_LR
 
 
 def test_an_unknown_preset_fails_before_any_training(bench, fake_data, tmp_path, monkeypatch, capsys):

@@ -33,9 +33,10 @@ point, the chosen pair and whether it lies on the grid's edge (then the grid sho
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
 `train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
-missing point. A finished run there under another config is refused before anything trains, naming the keys
-that differ (--force replaces it): retraining would delete it. The DeepSpeed JSON is not part of that config:
-give runs under another --ds-config their own --out-root.
+missing point. A finished run there under another config is refused, naming the keys that differ (--force
+replaces it): retraining would delete it. The refusal comes before anything trains, except for the full run
+after a short sweep, whose rates are known only when its sweep is done. The DeepSpeed JSON is not part of that
+config: give runs under another --ds-config their own --out-root.
 """
 
 from __future__ import annotations
@@ -259,8 +260,12 @@ def finished_earlier(args: argparse.Namespace, run: RunSpec) -> bool:
     return found is not None and found == _resolved_config(args, run)
 
 
+class RunInTheWay(ValueError):
+    """A run directory holds a finished run of another config."""
+
+
 def refuse_to_replace(args: argparse.Namespace, run: RunSpec) -> None:
-    """Raise ValueError, naming the keys that differ, when run.out_dir holds a finished run of another config:
+    """Raise RunInTheWay, naming the keys that differ, when run.out_dir holds a finished run of another config:
     retraining would delete a result that may be the only copy (an hour of CPU). --force replaces it."""
     found = None if args.force else _earlier_config(run)
     if found is None:
@@ -270,11 +275,13 @@ def refuse_to_replace(args: argparse.Namespace, run: RunSpec) -> None:
         return
     from distsparse.utils import flatten_config
     there, here = flatten_config(found), flatten_config(expected)
-    keys = sorted(k for k in there.keys() | here.keys() if there.get(k) != here.get(k))
-    shown = "; ".join(f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in keys[:6])
+    absent = "<absent>"   # a key one side lacks differs even from a None on the other
+    keys = sorted(k for k in there.keys() | here.keys() if there.get(k, absent) != here.get(k, absent))
+    shown = "; ".join(f"{k}: {there.get(k, absent)!r} there, {here.get(k, absent)!r} here" for k in keys[:6])
     more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
-    raise ValueError(f"{run.out_dir} holds a finished run of another config ({shown}{more}); give this "
-                     "comparison its own --out-root, move that run away, or pass --force to replace it")
+    raise RunInTheWay(f"{run.out_dir} holds a finished run of another config ({shown}{more}); give this "
+                      "comparison its own --out-root, move that run away, or pass --force to replace it "
+                      "(--force also reruns every method of --methods already in the JSON)")
 
 
 def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
@@ -574,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: training", flush=True)
             try:
                 entry = methods[method] = run_method(args, method, label)
-            except ValueError as err:   # the full run after a short sweep, known only now; JSON holds the rest
+            except RunInTheWay as err:   # the full run after a short sweep, known only now; JSON holds the rest
                 print(f"error: {err}", file=sys.stderr)
                 return 2
             status = f"final PPL {entry['final_ppl']:.2f}" if entry["skipped"] is None else \
