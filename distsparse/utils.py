@@ -28,3 +28,18 @@ def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+ABSENT = "<absent>"   # the value of a key one config lacks
+
+
+def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """The dotted keys whose values differ between two nested configs, sorted, with (old value, new value); a key
+    one side lacks has ABSENT there, so it differs even from a None on the other side."""
+    old_flat, new_flat = flatten_config(old), flatten_config(new)
+    differences = {}
+    for key in sorted(old_flat.keys() | new_flat.keys()):
+        values = old_flat.get(key, ABSENT), new_flat.get(key, ABSENT)
+        if values[0] != values[1]:
+            differences[key] = values
+    return differences

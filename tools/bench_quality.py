@@ -273,12 +273,10 @@ def refuse_to_replace(args: argparse.Namespace, run: RunSpec) -> None:
     expected = _resolved_config(args, run)
     if found == expected:
         return
-    from distsparse.utils import flatten_config
-    there, here = flatten_config(found), flatten_config(expected)
-    absent = "<absent>"   # a key one side lacks differs even from a None on the other
-    keys = sorted(k for k in there.keys() | here.keys() if there.get(k, absent) != here.get(k, absent))
-    shown = "; ".join(f"{k}: {there.get(k, absent)!r} there, {here.get(k, absent)!r} here" for k in keys[:6])
-    more = f" and {len(keys) - 6} more" if len(keys) > 6 else ""
+    from distsparse.utils import config_differences
+    differences = list(config_differences(found, expected).items())
+    shown = "; ".join(f"{k}: {there!r} there, {here!r} here" for k, (there, here) in differences[:6])
+    more = f" and {len(differences) - 6} more" if len(differences) > 6 else ""
     raise RunInTheWay(f"{run.out_dir} holds a finished run of another config ({shown}{more}); give this "
                       "comparison its own --out-root, move that run away, or pass --force to replace it "
                       "(--force also reruns every method of --methods already in the JSON)")

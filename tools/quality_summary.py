@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
-from distsparse.utils import flatten_config
+from distsparse.utils import config_differences
 
 SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
 RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})")
@@ -91,8 +91,7 @@ def _check_same(seen: dict[tuple, tuple[Path, dict[str, Any]]], key: tuple, valu
     """Record `value` under `key`, or raise naming `run_dir` and the keys that differ from the first run's."""
     first, expected = seen.setdefault(key, (run_dir, value))
     if value != expected:
-        old, new = flatten_config(expected), flatten_config(value)
-        differ = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+        differ = list(config_differences(expected, value))
         raise ValueError(f"{run_dir}: {what} than {first} (differ: {', '.join(differ)}); allowed: runs of one "
                          "comparison under one --root")
 

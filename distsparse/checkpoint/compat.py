@@ -16,14 +16,13 @@ from typing import Any
 from distsparse.checkpoint.manifest import CheckpointError, candidates, read_manifest
 from distsparse.config import Config, config_to_dict
 from distsparse.optim.rules import RULES
-from distsparse.utils import flatten_config
+from distsparse.utils import ABSENT, config_differences
 
 MUST_MATCH = (   # a key, or every key under a prefix ending in "."
     "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.tie_word_embeddings",
     "method.name", "method.sparsity", "method.layout", "method.backbone", "method.rule", "method.branch.",
     "method.permutation.mode", "method.permutation.block_size")
 NOT_COMPARED = ("checkpoint.",)   # where and how often this run saves, not what it trains
-ABSENT = "<absent>"
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -40,11 +39,9 @@ def _shown(key: str, value: Any) -> str:
 def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[str]:
     """The allowed differences between the saved run and `cfg` ("key saved -> run"); ValueError naming every
     difference that is not allowed, with both values."""
-    saved, run = flatten_config(manifest.get("config") or {}), flatten_config(config_to_dict(cfg))
     refused, changed = [], []
-    for key in sorted(saved.keys() | run.keys()):
-        old, new = saved.get(key, ABSENT), run.get(key, ABSENT)
-        if old == new or key.startswith(NOT_COMPARED):
+    for key, (old, new) in config_differences(manifest.get("config") or {}, config_to_dict(cfg)).items():
+        if key.startswith(NOT_COMPARED):
             continue
         if any(key == k or (k.endswith(".") and key.startswith(k)) for k in MUST_MATCH):
             refused.append(f"{key} saved {_shown(key, old)}, run {_shown(key, new)}")
