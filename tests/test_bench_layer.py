@@ -32,13 +32,21 @@ def test_quick_bench_layer_writes_every_named_figure(tmp_path, monkeypatch, caps
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())
 
-    assert set(payload) == {"machine", "config", "fwd_bwd_ratio", "memory_ratio", "storage_ratio"}
+    assert set(payload) == {"machine", "config", "fwd_bwd_ratio", "fwd_bwd_ratio_cpu", "nm_ops_over_linear_ops",
+                            "nm_hard_perm_ops_over_linear_ops", "op_counts", "memory_ratio", "storage_ratio"}
     assert {"cpu", "cores", "torch", "deepspeed", "transformers", "gpu"} <= set(payload["machine"])
     assert payload["config"]["quick"] is True and payload["config"]["threads"] >= 1
     assert payload["config"]["target_fwd_bwd_ratio"] == 1.15
     cases = {f"{s}-{lay}/{i}x{o}" for s in ("1:4", "2:4") for lay in ("row", "block") for i, o in QUICK_SHAPES}
     assert set(payload["fwd_bwd_ratio"]) == cases
     assert all(math.isfinite(r) and r > 0 for r in payload["fwd_bwd_ratio"].values())
+    assert all(math.isfinite(r) and r > 0 for r in payload["fwd_bwd_ratio_cpu"].values())
+    for case, counts in payload["op_counts"].items():
+        assert payload["nm_ops_over_linear_ops"][case] == counts["nm"] / counts["linear"] <= 3, case
+        assert payload["nm_hard_perm_ops_over_linear_ops"][case] == counts["nm_hard_perm"] / counts["linear"] <= 3
+        # nn.Linear without bias: at least its three GEMMs (forward, grad_x, grad_w).
+        assert counts["linear"] >= 3 and counts["nm_hard_perm"] > counts["nm"] > counts["nm_views"] > 0, case
+    assert set(payload["op_counts"]) == cases
     assert set(payload["storage_ratio"]) == {"1:4-row", "1:4-block", "2:4-row", "2:4-block"}
     assert set(payload["memory_ratio"]) == set(payload["storage_ratio"])
     for key, ratio in payload["storage_ratio"].items():

@@ -12,7 +12,11 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
 from distsparse.layers import NMLinearFunction, NMSparseLinear
-from distsparse.nm import NMSpec, decode, encode, move_slots, random_mask, slot_map
+from distsparse.layers.permutation import BlockPermutation
+from distsparse.layers.projection import SparseProjection
+from distsparse.nm import (
+    NMSpec, decode, encode, gather_kept, kept_index, move_slots, random_mask, scatter_kept, slot_map,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,6 +51,68 @@ def test_outputs_and_gradients_equal_a_float64_dense_masked_reference(spec):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.bias.grad, bias.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.values.grad, weight.grad[mask].view(12, -1), rtol=1e-12, atol=1e-12)
+
+
+def flat_index_reference(layer, x, grad_y):
+    """(y, grad_x, grad_values, grad_bias) by the flat kept index, the arithmetic of the layer before issue 25: W by
+    index_copy_ at kept_index, the same three GEMMs on [T, I] / [T, O] views, grad_values by index_select."""
+    out_f, in_f = layer.out_features, layer.in_features
+    index = kept_index(layer.meta)
+    weight = scatter_kept(layer.values.detach(), index, (out_f, in_f))
+    y = torch.nn.functional.linear(x, weight, layer.bias)
+    g2 = grad_y.reshape(-1, out_f)
+    grad_x = (g2 @ weight).view(*grad_y.shape[:-1], in_f)
+    grad_values = gather_kept(g2.t() @ x.reshape(-1, in_f), index, layer.values.shape[1])
+    return y, grad_x, grad_values, g2.sum(0)
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("in_f", [16, 20])   # 20: at 1:4 and 3:4 the last code byte of each row is padded
+def test_outputs_and_gradients_are_bit_identical_to_the_flat_index_arithmetic(spec, in_f):
+    layer = NMSparseLinear(in_f, 12, spec, bias=True, seed=7)
+    with torch.no_grad():
+        layer.bias.normal_()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, in_f, generator=gen, requires_grad=True)
+    grad_y = torch.randn(3, 5, 12, generator=gen)
+    y = layer(x)
+    y.backward(grad_y)
+    want = flat_index_reference(layer, x.detach(), grad_y)
+    for got, ref in zip((y, x.grad, layer.values.grad, layer.bias.grad), want):
+        assert got.shape == ref.shape and torch.equal(bits(got), bits(ref))
+
+
+def aten_ops(module, x, grad_y):
+    """Aten ops (views included) of one warm forward + backward, counted by the benchmarks' counter."""
+    count_ops = import_tool("benchlib").count_ops
+
+    def step():
+        x.grad = None
+        module.zero_grad(set_to_none=True)
+        module(x).backward(grad_y)
+
+    step()   # the lookup tables are built on a first call
+    return count_ops(step)[0].ops
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("lead", [(6,), (2, 3)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_forward_and_backward_dispatch_at_most_three_times_the_ops_of_nn_linear(spec, lead, bias):
+    # Issue 25: device-independent, every op a launch or a dispatch on a GPU; the hardened permutation's gather and
+    # its backward count in the layer's budget too.
+    in_f, out_f = 32, 24
+    x = torch.randn(*lead, in_f, requires_grad=True)
+    grad_y = torch.randn(*lead, out_f)
+    linear = aten_ops(nn.Linear(in_f, out_f, bias=bias), x, grad_y)
+    sparse = aten_ops(NMSparseLinear(in_f, out_f, spec, bias=bias), x, grad_y)
+    permuted = aten_ops(SparseProjection(NMSparseLinear(in_f, out_f, spec, bias=bias),
+                                         permutation=BlockPermutation(in_f, 8, "random", seed=1)), x, grad_y)
+    assert sparse <= 3 * linear and permuted <= 3 * linear, (sparse, permuted, linear)
 
 
 @pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)

@@ -11,8 +11,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distsparse.nm import (
-    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, gather_kept, is_legal,
-    kept_index, mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, slot_map,
+    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, gather_groups, gather_kept,
+    is_legal, kept_index, kept_positions, mask_from_scores, motif_ids, move_slots, random_mask, row_patterns,
+    scatter_groups, scatter_kept, slot_map,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,6 +175,51 @@ def test_decompress_from_the_codes_equals_a_brute_force_decode_and_gather_invert
     assert index.dtype == torch.int64 and index.is_contiguous()
     assert bool((index[1:] > index[:-1]).all())   # values order is row-major
     assert torch.equal(gather_kept(dense, index, values.shape[1]), values)
+
+
+def brute_force_positions(codes, spec, out_f, in_f):
+    """[out, in/4, n]: the column inside its group of 4 of each kept value of each group, from the same one-value-
+    at-a-time reading of the codes as `brute_force_decompress`."""
+    marked = brute_force_decompress(torch.ones(out_f, in_f * spec.n // 4), codes, spec, out_f, in_f)
+    groups = marked.view(out_f, in_f // 4, 4).bool()
+    return torch.tensor([[[c for c in range(4) if groups[o, g, c]] for g in range(in_f // 4)] for o in range(out_f)],
+                        dtype=torch.int64).view(out_f, in_f // 4, spec.n)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SPECS), st.integers(1, 5), st.integers(1, 13), st.integers(0, 2**31 - 1))
+@example(NMSpec(1), 3, 1, 0)
+@example(NMSpec(3), 2, 13, 0)   # 3:4 groups crossing byte boundaries, with a padded last byte
+def test_kept_positions_are_each_groups_kept_columns_and_give_the_flat_index_results_bit_for_bit(
+        spec, rows, groups, seed):
+    out_f, in_f = (4 * rows if spec.layout == "block" else rows), 4 * groups
+    gen = torch.Generator().manual_seed(seed)
+    meta = NMMeta(random_codes(spec, out_f, in_f, gen), spec, (out_f, in_f))
+    pos = kept_positions(meta)
+    assert pos.dtype == torch.int64 and pos.numel() == out_f * in_f * spec.n // 4
+    # Values order is the same in both layouts: rows, then groups of 4 columns, then kept columns ascending.
+    grouped = pos.reshape(out_f, in_f // 4, spec.n) if spec.layout == "row" else \
+        pos.reshape(out_f // 4, 4, in_f // 4, spec.n).reshape(out_f, in_f // 4, spec.n)
+    assert torch.equal(grouped, brute_force_positions(meta.codes, spec, out_f, in_f))
+    # The group path and the flat index path (the optimizer's scatter and gather) agree bit for bit.
+    values = torch.randn(out_f, in_f * spec.n // 4, generator=gen)
+    dense = torch.randn(out_f, in_f, generator=gen)
+    index = kept_index(meta)
+    assert torch.equal(scatter_groups(values, pos, meta.shape).view(torch.int32),
+                       scatter_kept(values, index, meta.shape).view(torch.int32))
+    assert torch.equal(gather_groups(dense, pos, values.shape[1]).view(torch.int32),
+                       gather_kept(dense, index, values.shape[1]).view(torch.int32))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_kept_positions_and_the_decompressed_matrix_live_on_the_device_of_the_codes(spec):
+    # The lookup tables are cached on the CPU and moved to the codes' device; meta tensors prove the move without a
+    # GPU (a table left on the CPU would make the lookup raise or return a CPU tensor).
+    cpu = encode(random_mask(8, 16, spec, torch.Generator().manual_seed(0)), spec)
+    meta = NMMeta(cpu.codes.to("meta"), spec, cpu.shape)
+    pos = kept_positions(meta)
+    assert pos.device.type == "meta" and pos.shape == kept_positions(cpu).shape
+    assert decompress(torch.empty(8, 16 * spec.n // 4, device="meta"), meta).device.type == "meta"
 
 
 @FAST

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import weakref
 from typing import Any, Callable
 
@@ -53,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from benchlib import add_json_arg, machine_info, paired_ratio, print_table, write_json
+from benchlib import add_json_arg, machine_info, paired_cpu_and_wall, print_table, write_json
 from distsparse.config import Config, load_config
 from distsparse.layers.fold import fold_permutations
 from distsparse.layers.permutation import BlockPermutation
@@ -124,28 +122,6 @@ def build(args: argparse.Namespace, variant: str) -> tuple[nn.Module, Config]:
     if variant == "hard":
         harden_random(model, args.seed)
     return model, cfg
-
-
-class CpuTimed:
-    """A callable that records the process CPU seconds of each of its calls."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn, self.seconds = fn, []
-
-    def __call__(self) -> None:
-        t0 = time.process_time()
-        self.fn()
-        self.seconds.append(time.process_time() - t0)
-
-
-def paired(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup: int, repeats: int) -> dict[str, float]:
-    """benchlib.paired_ratio's rounds, timed on both clocks: CPU ratio and medians, wall ratio and medians.
-    Call i of each side belongs to round i, so the per-round CPU ratios pair the same calls as the wall ones."""
-    a, b = CpuTimed(fn_a), CpuTimed(fn_b)
-    wall_ratio, wall_a, wall_b = paired_ratio(a, b, warmup, repeats)
-    cpu_a, cpu_b = a.seconds[warmup:], b.seconds[warmup:]
-    return {"ratio": statistics.median(x / y for x, y in zip(cpu_a, cpu_b)), "cpu_a": statistics.median(cpu_a),
-            "cpu_b": statistics.median(cpu_b), "wall_ratio": wall_ratio, "wall_a": wall_a, "wall_b": wall_b}
 
 
 def penalty_step(policy: PermutationPolicy) -> int:
@@ -244,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = {variant: train_step_fn(model, cfg, ids) for variant, (model, cfg) in models.items()}
     ratios, wall_ratios, seconds = {}, {}, {}
     for variant in ("soft", "hard"):
-        r = paired(steps[variant], steps["none"], args.warmup, args.repeats)
+        r = paired_cpu_and_wall(steps[variant], steps["none"], args.warmup, args.repeats)
         key = f"train_step_ratio_{variant}"
         ratios[key], wall_ratios[key] = r["ratio"], r["wall_ratio"]
         seconds[f"train_{variant}"] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}
@@ -255,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     hard = models["hard"][0]
     fold = fold_permutations(hard)
-    r = paired(infer_fn(hard, ids), infer_fn(models["none"][0], ids), args.warmup, args.repeats)
+    r = paired_cpu_and_wall(infer_fn(hard, ids), infer_fn(models["none"][0], ids), args.warmup, args.repeats)
     ratios["infer_ratio_hard"], wall_ratios["infer_ratio_hard"] = r["ratio"], r["wall_ratio"]
     seconds["infer_hard_folded"] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}
     seconds["infer_none"] = {"cpu": r["cpu_b"], "wall": r["wall_b"]}

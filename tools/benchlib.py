@@ -1,4 +1,5 @@
-"""Shared helpers of the project's benchmarks (DESIGN s6): machine description, paired timing, table, JSON.
+"""Shared helpers of the project's benchmarks (DESIGN s6): machine description, paired timing, op counts, table,
+JSON.
 
 Every benchmark in tools/ computes, prints a table last and, with `--json PATH`, writes the same numbers as
 JSON holding `machine` (this module's `machine_info()`), `config` (every setting that moves the numbers) and the
@@ -16,10 +17,13 @@ import platform
 import statistics
 import tempfile
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _version(package: str) -> str | None:
@@ -133,3 +137,61 @@ def paired_ratio(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup: int, 
         times_a.append(t_a)
         times_b.append(t_b)
     return statistics.median(ratios), statistics.median(times_a), statistics.median(times_b)
+
+
+class CpuTimed:
+    """A callable that records the process CPU seconds of each of its calls."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.seconds = fn, []
+
+    def __call__(self) -> None:
+        t0 = time.process_time()
+        self.fn()
+        self.seconds.append(time.process_time() - t0)
+
+
+def paired_cpu_and_wall(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup: int, repeats: int,
+                        sync: Callable[[], None] | None = None) -> dict[str, float]:
+    """`paired_ratio`'s rounds timed on both clocks: "ratio" (median per-round ratio of process CPU seconds),
+    "cpu_a", "cpu_b" (medians) and "wall_ratio", "wall_a", "wall_b". Call i of each side belongs to round i, so the
+    CPU ratios pair the same calls as the wall ones. On a shared machine whose load exceeds its cores, a call that
+    waits for a core accrues wall time but no CPU time; with one thread CPU time is the call's busy time. (On a GPU
+    the CPU clock sees only the host: use the wall figures with `sync`.)"""
+    a, b = CpuTimed(fn_a), CpuTimed(fn_b)
+    wall_ratio, wall_a, wall_b = paired_ratio(a, b, warmup, repeats, sync)
+    cpu_a, cpu_b = a.seconds[warmup:], b.seconds[warmup:]
+    return {"ratio": statistics.median(x / y for x, y in zip(cpu_a, cpu_b)), "cpu_a": statistics.median(cpu_a),
+            "cpu_b": statistics.median(cpu_b), "wall_ratio": wall_ratio, "wall_a": wall_a, "wall_b": wall_b}
+
+
+@dataclass
+class OpCounts:
+    ops: int = 0                                      # aten ops dispatched, views included
+    views: int = 0                                    # of which only alias their input (launch nothing)
+    by_op: Counter = field(default_factory=Counter)   # "aten.mm.default" -> count
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops a piece of code dispatches below autograd, the same on every device: on a GPU each op
+    that is not a view is at least one kernel launch, so `ops - views` bounds the launches. The names (`OpCounter`,
+    `OpCounts.ops/views/by_op`, `count_ops`) follow the op counter issue 25's optimizer stream adds to the library,
+    so a benchmark can switch to that one by its import alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = OpCounts()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.counts.ops += 1
+        self.counts.views += int(func.is_view)
+        self.counts.by_op[str(func)] += 1
+        return out
+
+
+def count_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[OpCounts, Any]:
+    """(counts, result) of one call of fn(*args, **kwargs) under an OpCounter."""
+    with OpCounter() as counter:
+        result = fn(*args, **kwargs)
+    return counter.counts, result

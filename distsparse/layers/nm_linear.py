@@ -1,17 +1,28 @@
 """`NMSparseLinear`: a linear layer whose weight exists only as compressed N:M values plus codes.
 
-Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row.
+Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row, G = I / 4.
 
-    forward:   idx = kept_index(codes)              [O * K] int64 (transient, derived per call, never saved)
-               W = scatter(values, idx)              [O, I]  (transient, never saved)
+    forward:   pos = table[codes]                    int64, [O, G, N] (transient, never saved; nm.kept_positions)
+               W = zeros.scatter(pos, values)        [O, I] (transient, never saved)
                y = x @ W^T (+ b)                     [T, O]
-    backward:  idx, W = recomputed from the codes
+    backward:  pos, W = looked up again from the codes
                grad_x      = g @ W                   [T, I]
-               grad_values = gather(g^T @ x, idx)    [O, K]  (only kept positions leave the Function)
+               grad_values = gather(g^T @ x, pos)    [O, K]  (only kept positions leave the Function)
 
 Between calls a layer holds its values and codes only (issue 19: an index cache was 4 B per kept value, more than
 the bf16 values). Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins are memory,
 optimizer state and communication; speed comes from 2:4 kernels at inference.
+
+Launches (issue 25 item 2): the positions come from a lookup table from code bytes (row-wise) or motif ids
+(block-wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups;
+no flat index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch about
+2.4x (row-wise) and 2.6x (block-wise) the aten ops of nn.Linear, views included, where rebuilding the flat int64
+index (row * I + group offset + table entry) took 5.3-6.1x. The alternative, one index derived once per step and
+shared by forward and backward, was not taken: kept in the module it is 8 B per kept value between calls (4x the
+bf16 values, against the memory target) and needs invalidating at every refresh, `set_codes`, checkpoint load and
+in-place all-gather of the codes; saved in the Function it stays alive from forward to backward in every layer at
+once (at 1:4 the size of the dense bf16 weight), while the lookup it would save in backward is 2 kernels. Nothing
+is cached, so activation checkpointing re-runs the same forward (DESIGN decision 16).
 """
 
 from __future__ import annotations
@@ -23,22 +34,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distsparse.nm import (
-    NMMeta, NMSpec, codes_shape, decompress, encode, gather_kept, is_legal, kept_index, random_mask, scatter_kept,
+    NMMeta, NMSpec, codes_shape, decompress, encode, gather_groups, is_legal, kept_index, kept_positions, random_mask,
+    scatter_groups,
 )
 
 INIT_MODES = ("swi", "hf")
 
 
 class NMLinearFunction(torch.autograd.Function):
-    """y = x @ scatter(values)^T + b; saves x, values and the codes only: the flat index is derived from the codes
+    """y = x @ scatter(values)^T + b; saves x, values and the codes only: the positions are looked up from the codes
     in forward and again in backward, so nothing index- or weight-sized outlives a call. Saving the codes also lets
     autograd refuse a backward after the codes changed in place (a topology installed mid-step)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, values: torch.Tensor, codes: torch.Tensor, spec: NMSpec,
                 in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-        meta = NMMeta(codes, spec, (values.shape[0], in_features))
-        weight = scatter_kept(values, kept_index(meta), meta.shape)
+        shape = (values.shape[0], in_features)
+        weight = scatter_groups(values, kept_positions(NMMeta(codes, spec, shape)), shape)
         ctx.save_for_backward(x, values, codes)
         ctx.spec, ctx.in_features = spec, in_features
         ctx.has_bias = bias is not None
@@ -48,15 +60,15 @@ class NMLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         x, values, codes = ctx.saved_tensors
         out_features, kept = values.shape
-        index = kept_index(NMMeta(codes, ctx.spec, (out_features, ctx.in_features)))
+        shape = (out_features, ctx.in_features)
+        positions = kept_positions(NMMeta(codes, ctx.spec, shape))
         grad_x = grad_values = grad_bias = None
-        grad_y2 = grad_y.reshape(-1, out_features)
+        grad_y2 = grad_y.flatten(0, -2)   # [T, O]; flatten returns 2-D tensors as they are, without an op
         if ctx.needs_input_grad[0]:
-            weight = scatter_kept(values, index, (out_features, ctx.in_features))
-            grad_x = (grad_y2 @ weight).view(*grad_y.shape[:-1], ctx.in_features)
+            grad_x = grad_y @ scatter_groups(values, positions, shape)   # matmul keeps the leading dims
         if ctx.needs_input_grad[1]:
-            grad_w = grad_y2.t() @ x.reshape(-1, ctx.in_features).to(grad_y2.dtype)
-            grad_values = gather_kept(grad_w, index, kept).to(values.dtype)
+            grad_w = grad_y2.t() @ x.flatten(0, -2).to(grad_y2.dtype)
+            grad_values = gather_groups(grad_w, positions, kept).to(values.dtype)
         if ctx.has_bias and ctx.needs_input_grad[5]:
             grad_bias = grad_y2.sum(0)
         return grad_x, grad_values, None, None, None, grad_bias

@@ -7,11 +7,13 @@ Shapes (W is [out, in], k = in * N / 4 kept values per output row):
                             four per byte, first value in the low bits (NVIDIA's 2:4 convention)
           block-wise: uint8 [out / 4, in / 4]   motif id (index into `block_motifs(N)`) of each 4x4 block
 
-Values + codes are everything a matrix holds (issue 19). `kept_index` derives an int64 flat index from the codes
-on each call: one table lookup per code byte (row-wise: the byte's four 2-bit fields at once) or per block
-(block-wise), plus one add. Callers use it for a decompress or gather and drop it, never cache it: it is 8 B per
-kept value, 4x the bf16 values it addresses. `index_copy_` / `index_select` with a flat index are the fastest CPU
-paths (research/sparse_kernels.md s2.2).
+Values + codes are everything a matrix holds (issue 19). Two transients are derived from the codes per call and
+dropped, never cached (8 B per kept value, 4x the bf16 values they address):
+  `kept_positions`  position of each kept value inside its group of 4 columns: one table lookup per code byte or
+                    block and nothing else, for `scatter_groups` / `gather_groups` (decompress and the gather of a
+                    gradient in the layer's forward and backward: a handful of kernels, issue 25)
+  `kept_index`      the flat position in [out, in]: the lookup plus row and group offsets, for callers that need
+                    flat positions (slot maps, refresh, the optimizer rules' scatter and gather)
 Pure tensor functions: no distributed code, no config objects.
 """
 
@@ -21,6 +23,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from distsparse.nm.patterns import M, block_motifs, motif_ids, row_patterns
 from distsparse.nm.spec import NMSpec
@@ -167,6 +170,59 @@ def _block_kept_index(meta: NMMeta) -> torch.Tensor:
     return torch.add(corner, per_block.transpose(1, 2), out=index).view(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_positions(device: torch.device) -> torch.Tensor:
+    """int64 [256, 4]: the four 2-bit fields of each code byte, low bits first: the position inside its group of
+    each of the byte's four kept values, whatever N and whichever group a slot falls in."""
+    cpu = torch.device("cpu")   # built on the CPU whatever the default device is, then moved
+    byte = torch.arange(256, device=cpu).unsqueeze(1)
+    return ((byte >> (2 * torch.arange(M, device=cpu))) & 3).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _motif_row_columns(n: int, device: torch.device) -> torch.Tensor:
+    """int64 [P, 4 * n]: `_motif_columns` flattened, one lookup row per motif id."""
+    return _motif_columns(n, torch.device("cpu")).view(-1, M * n).to(device)
+
+
+def kept_positions(meta: NMMeta) -> torch.Tensor:
+    """int64 position (0-3) of every kept value inside its group of 4 input columns, derived from the codes by one
+    table lookup per code byte (row-wise) or per block (block-wise), with no index arithmetic. Shaped so that
+    `values.view(pos.shape)` and the dense matrix viewed as `(*pos.shape[:-1], 4)` line up, for `scatter_groups`
+    and `gather_groups`:
+
+        row-wise    [out, in / 4, N]        a group is 4 consecutive columns of one row, N of them kept
+        block-wise  [out / 4, 4, in / 4, N] (block-row, row in block, block, kept), a strided view
+
+    Both layouts keep values row-major with N per 4-column group (a transposable block keeps N per row too), so the
+    groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value)."""
+    out_f, in_f = meta.shape
+    n = meta.spec.n
+    # An embedding lookup (index_select of table rows): advanced indexing `table[key]` measured 3-5x slower on CPU.
+    key = meta.codes.long()
+    if meta.spec.layout == "block":
+        blocks_out, blocks_in = key.shape
+        cols = F.embedding(key, _motif_row_columns(n, key.device))                # [BO, BI, 4 * n]
+        return cols.view(blocks_out, blocks_in, M, n).transpose(1, 2)
+    pos = F.embedding(key, _byte_positions(key.device))                           # [out, bytes, 4]
+    k = meta.kept_per_row
+    if pos.shape[1] * M != k:   # padding slots in the last byte of each row
+        pos = pos.view(out_f, -1)[:, :k]
+    return pos.view(out_f, in_f // M, n)
+
+
+def scatter_groups(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Dense [out, in] with `values` [out, k] at their `kept_positions` and zeros elsewhere: one scatter into the
+    matrix viewed as groups of 4 columns. The same matrix as `scatter_kept(values, kept_index(meta), shape)`."""
+    dense = values.new_zeros(*positions.shape[:-1], M)
+    return dense.scatter_(-1, positions, values.reshape(positions.shape)).view(shape)
+
+
+def gather_groups(dense: torch.Tensor, positions: torch.Tensor, kept_per_row: int) -> torch.Tensor:
+    """Values [out, k] of a contiguous dense [out, in] at `kept_positions`; the inverse of `scatter_groups`."""
+    return dense.reshape(*positions.shape[:-1], M).gather(-1, positions).view(-1, kept_per_row)
+
+
 def kept_index(meta: NMMeta) -> torch.Tensor:
     """int64 [out * k]: flat position in the dense [out, in] matrix of every kept value, in values order, derived
     from the codes. A transient: build it where it is used, do not keep it (8 B per kept value)."""
@@ -198,7 +254,7 @@ def is_legal(meta: NMMeta) -> bool:
 def compress(dense: torch.Tensor, mask: torch.Tensor, spec: NMSpec) -> tuple[torch.Tensor, NMMeta]:
     """Dense [out, in] and a legal bool mask -> (values [out, k], meta)."""
     meta = encode(mask, spec)
-    return gather_kept(dense, kept_index(meta), meta.kept_per_row), meta
+    return gather_groups(dense, kept_positions(meta), meta.kept_per_row), meta
 
 
 def gather_kept(dense: torch.Tensor, index: torch.Tensor, kept_per_row: int) -> torch.Tensor:
@@ -214,7 +270,7 @@ def scatter_kept(values: torch.Tensor, index: torch.Tensor, shape: tuple[int, in
 
 def decompress(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
     """(values [out, k], meta) -> dense [out, in] with zeros at pruned positions."""
-    return scatter_kept(values, kept_index(meta), meta.shape)
+    return scatter_groups(values, kept_positions(meta), meta.shape)
 
 
 def mask_from_scores(scores: torch.Tensor, n: int, layout: str) -> torch.Tensor:
