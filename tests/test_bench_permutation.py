@@ -30,8 +30,16 @@ def test_quick_bench_permutation_writes_every_named_figure(bench, tmp_path, caps
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())
 
-    assert set(payload) == FIGURES | {"machine", "config", "wall_ratios", "seconds", "memory_peak_bytes",
-                                      "load_average"}
+    assert set(payload) == FIGURES | {"machine", "config", "wall_ratios", "round_ratio_range", "train_step_ops",
+                                      "train_step_ops_ratio_hard", "seconds", "memory_peak_bytes", "load_average"}
+    # Hardened, a step adds one gather forward and one backward (each an expand of the index and the gather) per
+    # distinct input (qkv, o, gate_up, down) and layer, and nothing else: the shared module's output is reused.
+    ops = payload["train_step_ops"]
+    assert ops["hard"] - ops["none"] == 2 * 4 * 2 * 2, ops
+    assert payload["train_step_ops_ratio_hard"] == ops["hard"] / ops["none"]
+    for key in ("train_step_ratio_soft", "train_step_ratio_hard"):
+        low, high = payload["round_ratio_range"][key]
+        assert low <= payload[key] <= high
     assert set(payload["wall_ratios"]) == FIGURES - {"memory_ratio_soft"}
     assert {"cpu", "cores", "torch", "deepspeed", "transformers", "gpu"} <= set(payload["machine"])
     config = payload["config"]

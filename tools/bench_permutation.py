@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from benchlib import add_json_arg, machine_info, paired_cpu_and_wall, print_table, write_json
+from benchlib import add_json_arg, count_ops, machine_info, paired_cpu_and_wall, print_table, write_json
 from distsparse.config import Config, load_config
 from distsparse.layers.fold import fold_permutations
 from distsparse.layers.permutation import BlockPermutation
@@ -218,15 +218,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     memory = {variant: peak_training_bytes(model, cfg, ids) for variant, (model, cfg) in models.items()}
 
     steps = {variant: train_step_fn(model, cfg, ids) for variant, (model, cfg) in models.items()}
-    ratios, wall_ratios, seconds = {}, {}, {}
+    ratios, wall_ratios, seconds, spread = {}, {}, {}, {}
     for variant in ("soft", "hard"):
         r = paired_cpu_and_wall(steps[variant], steps["none"], args.warmup, args.repeats)
         key = f"train_step_ratio_{variant}"
         ratios[key], wall_ratios[key] = r["ratio"], r["wall_ratio"]
         seconds[f"train_{variant}"] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}
         seconds[f"train_none_vs_{variant}"] = {"cpu": r["cpu_b"], "wall": r["wall_b"]}
+        spread[key] = [min(r["ratios"]), max(r["ratios"])]
         print(f"bench_permutation: train {variant}/none cpu {r['ratio']:.3f} wall {r['wall_ratio']:.3f}",
               file=sys.stderr, flush=True)
+    # Device-independent: what each variant dispatches in a warm step (the timed rounds ran it already).
+    train_ops = {variant: count_ops(step)[0].ops for variant, step in steps.items()}
     steps.clear()
 
     hard = models["hard"][0]
@@ -254,19 +257,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "memory_steps": MEMORY_STEPS,
         "statistic": "median over paired rounds (alternating order) of t_with / t_without, t = process CPU "
                      "seconds of the call (wall_ratios: the same rounds on the wall clock)",
+        "ops": "aten ops of one warm training step per variant (benchlib.count_ops, views included); "
+               "round_ratio_range: min and max of the per-round CPU ratios behind each median",
         "memory": "peak live tensor bytes over the training steps (LiveTensorBytes: params, buffers, ids held, "
                   "plus every storage an aten op allocates until it is freed)",
         "fold": {"folded": sorted(fold["folded"]), "kept": len(fold["kept"])},
         "targets": TARGETS,
     }
     payload = {**ratios, "machine": machine_info(), "config": config, "wall_ratios": wall_ratios,
+               "round_ratio_range": spread, "train_step_ops": train_ops,
+               "train_step_ops_ratio_hard": train_ops["hard"] / train_ops["none"],
                "seconds": seconds, "memory_peak_bytes": memory, "load_average": os.getloadavg()}
     if args.json:
         write_json(args.json, payload)
 
     print(f"\n{args.model} 1:4 row-wise, vocab {args.vocab}, block {args.block_size}, micro-batch {args.batch} x "
           f"{args.seq_len}, {args.threads} thread(s), {args.repeats} paired rounds, load average "
-          f"{os.getloadavg()[0]:.1f}; {len(fold['folded'])} gathers folded, {len(fold['kept'])} projections keep theirs")
+          f"{os.getloadavg()[0]:.1f}; {len(fold['folded'])} gathers folded, {len(fold['kept'])} projections keep theirs; "
+          f"aten ops per training step {train_ops}")
     mib = {name: memory[name] / 2**20 for name in VARIANTS}
     print_table(["variant", "train cpu s", "train wall s", "infer cpu s", "infer wall s", "peak tensor MiB"],
                 [["none", seconds["train_none_vs_soft"]["cpu"], seconds["train_none_vs_soft"]["wall"],

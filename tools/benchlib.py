@@ -154,14 +154,15 @@ class CpuTimed:
 def paired_cpu_and_wall(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup: int, repeats: int,
                         sync: Callable[[], None] | None = None) -> dict[str, float]:
     """`paired_ratio`'s rounds timed on both clocks: "ratio" (median per-round ratio of process CPU seconds),
-    "cpu_a", "cpu_b" (medians) and "wall_ratio", "wall_a", "wall_b". Call i of each side belongs to round i, so the
+    "ratios" (the per-round ones), "cpu_a", "cpu_b" (medians) and "wall_ratio", "wall_a", "wall_b". Call i of each side belongs to round i, so the
     CPU ratios pair the same calls as the wall ones. On a shared machine whose load exceeds its cores, a call that
     waits for a core accrues wall time but no CPU time; with one thread CPU time is the call's busy time. (On a GPU
     the CPU clock sees only the host: use the wall figures with `sync`.)"""
     a, b = CpuTimed(fn_a), CpuTimed(fn_b)
     wall_ratio, wall_a, wall_b = paired_ratio(a, b, warmup, repeats, sync)
     cpu_a, cpu_b = a.seconds[warmup:], b.seconds[warmup:]
-    return {"ratio": statistics.median(x / y for x, y in zip(cpu_a, cpu_b)), "cpu_a": statistics.median(cpu_a),
+    per_round = [x / y for x, y in zip(cpu_a, cpu_b)]
+    return {"ratio": statistics.median(per_round), "ratios": per_round, "cpu_a": statistics.median(cpu_a),
             "cpu_b": statistics.median(cpu_b), "wall_ratio": wall_ratio, "wall_a": wall_a, "wall_b": wall_b}
 
 
