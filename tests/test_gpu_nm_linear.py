@@ -10,11 +10,15 @@ import pytest
 import torch
 
 from distsparse.layers import NMSparseLinear
-from distsparse.nm import NMSpec, decode
+from distsparse.nm import (
+    NMSpec, decode, encode, gather_groups, gather_kept, kept_index, kept_positions, random_mask, scatter_groups,
+    scatter_kept,
+)
 
 pytestmark = pytest.mark.gpu
 
 SPECS = [NMSpec(n, 4, layout) for n in (1, 2) for layout in ("row", "block")]
+ALL_SPECS = [NMSpec(n, 4, layout) for n in (1, 2, 3) for layout in ("row", "block")]
 
 
 def assert_close_at_bf16_scale(got, want, name):
@@ -59,3 +63,18 @@ def test_a_layer_built_on_meta_materializes_on_cuda_like_on_cpu():
     lazy.reset_parameters()
     assert torch.equal(lazy.codes.cpu(), cpu.codes)
     assert torch.equal(lazy.values.detach().cpu(), cpu.values.detach())
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_the_group_lookup_on_cuda_gives_the_flat_index_results_bit_for_bit(spec):
+    # The layer's path (lookup tables moved to the device, scatter / gather of groups) against the flat index path,
+    # both on the GPU, and the positions against the CPU's.
+    meta = encode(random_mask(64, 100 if spec.layout == "row" else 96, spec, torch.Generator().manual_seed(2)), spec)
+    meta_gpu = type(meta)(meta.codes.cuda(), spec, meta.shape)
+    pos = kept_positions(meta_gpu)
+    assert pos.device.type == "cuda" and torch.equal(pos.cpu(), kept_positions(meta))
+    values = torch.randn(meta.shape[0], meta.kept_per_row, device="cuda", dtype=torch.bfloat16)
+    dense = torch.randn(meta.shape, device="cuda", dtype=torch.bfloat16)
+    index = kept_index(meta_gpu)
+    assert torch.equal(scatter_groups(values, pos, meta.shape), scatter_kept(values, index, meta.shape))
+    assert torch.equal(gather_groups(dense, pos, meta.kept_per_row), gather_kept(dense, index, meta.kept_per_row))
