@@ -59,6 +59,7 @@ from data_prep.tokenizer import (
     train_sentencepiece,
 )
 from distsparse.data.shards import token_dtype
+from distsparse.utils import config_differences
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +183,8 @@ def open_plan(cfg: PrepConfig) -> Plan:
         return existing
     finished = (cfg.out / "meta.json").is_file() or any((cfg.out / "parts").glob("*.json"))
     if existing is not None and finished and not cfg.overwrite:
-        differ = sorted(k for k in settings.keys() | existing.settings.keys()
-                        if settings.get(k) != existing.settings.get(k))
-        said = "; ".join(f"{k}: {existing.settings.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
+        said = "; ".join(f"{key}: {there!r} there, {now!r} now"
+                         for key, (there, now) in config_differences(existing.settings, settings).items())
         raise ValueError(f"--out: {cfg.out} holds a preparation with other settings ({said}); allowed: the same "
                          f"command (continues it), another --out, or --overwrite (starts over)")
     for name in ("meta.json", PLAN_FILE, "train.bin", "val.bin"):   # the last two: the layout before shards
