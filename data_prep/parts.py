@@ -27,7 +27,7 @@ from data_prep.tokenizer import load_encoder
 from distsparse.data.shards import ShardWriter, read_index
 
 CHUNK_DOCS = 1024
-CHUNK_CHARS = 4 << 20
+CHUNK_CHARS = 1 << 20    # the ids of a chunk as Python ints take about 10x its characters in bytes
 _COPY_TOKENS = 1 << 24
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -66,9 +66,14 @@ def lay_out(ids: list[list[int]], *, mode: str, seq_len: int, eos_id: int, pad_i
             dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """(tokens in the shard dtype, int64 lengths) of encoded documents: each + EOS, or truncate_pad rows."""
     if mode == "packed":
-        docs = [doc + [eos_id] for doc in ids]
-        lengths = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
-        return np.fromiter(itertools.chain.from_iterable(docs), dtype=dtype, count=int(lengths.sum())), lengths
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
+        ends = np.cumsum(lengths)
+        tokens = np.empty(int(ends[-1]) if ids else 0, dtype=dtype)
+        is_eos = np.zeros(tokens.size, dtype=bool)
+        is_eos[ends - 1] = True
+        tokens[is_eos] = eos_id
+        tokens[~is_eos] = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=tokens.size - len(ids))
+        return tokens, lengths
     docs = [doc[: seq_len - 1] + [eos_id] for doc in ids]
     kept = np.fromiter(map(len, docs), dtype=np.int64, count=len(docs))
     rows = np.full((len(docs), seq_len), pad_id, dtype=dtype)
