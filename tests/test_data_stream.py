@@ -255,3 +255,23 @@ def test_another_command_into_the_same_directory_is_refused_naming_the_settings(
         prepare(PrepConfig(**cfg, seed=1))
     again = prepare(PrepConfig(**cfg, seed=1, overwrite=True))
     assert again["seed"] == 1 and again["shards"] != first["shards"]
+
+
+def test_the_slurm_array_tasks_carry_the_cluster_options(tmp_path, monkeypatch):
+    from data_prep import slurm
+    from data_prep.prepare import parse_args
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\n")
+    (fake / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")   # submitit looks for srun
+    cfg, args = parse_args(["--source", "stdlib-docs", "--out", str(tmp_path / "out"), "--executor", "slurm",
+                            "--tasks", "4", "--num-proc", "16", "--partition", "cpu", "--account", "proj",
+                            "--time", "4:00:00", "--mem-gb", "64"])
+    text = slurm.make_executor(args, tmp_path / "sub", cfg.num_proc)._make_submission_file_text("CMD", "uid")
+    for line in ("--cpus-per-task=16", "--partition=cpu", "--account=proj", "--time=240", "--nodes=1",
+                 "--ntasks-per-node=1", "--mem=64GB", "--job-name=data_prep"):
+        assert f"#SBATCH {line}\n" in text, (line, text)
+    args.tasks = 0
+    with pytest.raises(ValueError, match=r"--tasks: got 0; allowed: >= 1"):
+        slurm.make_executor(args, tmp_path / "sub", cfg.num_proc)
