@@ -275,3 +275,24 @@ def test_the_slurm_array_tasks_carry_the_cluster_options(tmp_path, monkeypatch):
     args.tasks = 0
     with pytest.raises(ValueError, match=r"--tasks: got 0; allowed: >= 1"):
         slurm.make_executor(args, tmp_path / "sub", cfg.num_proc)
+
+
+def test_a_damaged_or_missing_shard_of_a_finished_part_is_found_and_the_part_prepared_again(tmp_path, tokenizer):
+    _jsonl_files(tmp_path / "src", num_files=3, docs_per_file=100)
+    cfg = dict(source=f"files:{tmp_path / 'src'}/*.jsonl.gz", out=tmp_path / "out", tokenizer=tokenizer, seq_len=16,
+               val_fraction=0.2, num_proc=1)
+    prepare(PrepConfig(**cfg))
+    reference = _files(tmp_path / "out")
+    shard = tmp_path / "out" / "shards" / "train-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF   # same size: only the sha256 shows it
+    shard.write_bytes(bytes(data))
+    (tmp_path / "out" / "meta.json").unlink()
+    with pytest.raises(ValueError, match=rf"{shard}: its sha256 is not the one in .*00001.json.*rerun the same command"):
+        prepare(PrepConfig(**cfg))
+    prepare(PrepConfig(**cfg))
+    assert _files(tmp_path / "out") == reference
+    (tmp_path / "out" / "shards" / "val-00002.idx").unlink()   # a file of a finished part gone
+    (tmp_path / "out" / "meta.json").unlink()
+    prepare(PrepConfig(**cfg))
+    assert _files(tmp_path / "out") == reference
