@@ -152,8 +152,9 @@ def test_max_tokens_stops_within_one_document_of_n_reading_only_a_prefix(tmp_pat
     assert docs["num_docs"]["train"] + docs["num_docs"]["val"] == 555 and docs["num_parts"] == 2
 
 
-def test_max_tokens_streams_an_hf_dataset_folder_without_reading_it_all(tmp_path, tokenizer, monkeypatch):
+def test_max_tokens_streams_an_hf_dataset_folder_reading_within_one_chunk_of_n(tmp_path, tokenizer, monkeypatch):
     import datasets
+    from data_prep.parts import CHUNK_DOCS
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     folder = tmp_path / "hub_like"
@@ -161,12 +162,15 @@ def test_max_tokens_streams_an_hf_dataset_folder_without_reading_it_all(tmp_path
     rng = random.Random(3)
     for f in range(4):
         (folder / f"train-{f}.jsonl").write_text("".join(json.dumps({"content": _text(rng, 30)}) + "\n"
-                                                         for _ in range(200)))
+                                                         for _ in range(4000 if f == 0 else 200)))
     report = tmp_path / "report.json"
     meta = prepare(PrepConfig(source=f"hf:{folder}", out=tmp_path / "out", tokenizer=tokenizer, seq_len=16,
-                              max_tokens=3000, val_fraction=0.2, text_key="content", num_proc=1, report=report))
-    assert meta["num_tokens"]["train"] >= 3000 and meta["num_parts"] == 1
+                              max_tokens=30_000, val_fraction=0.2, text_key="content", num_proc=1, report=report))
+    assert meta["num_tokens"]["train"] >= 30_000 and meta["num_parts"] == 1
     assert json.loads(report.read_text())["parts_run"] == 1   # shards 2..4 of the stream were never opened
+    record = json.loads((tmp_path / "out" / "parts" / "00000.json").read_text())
+    kept = meta["num_docs"]["train"] + meta["num_docs"]["val"]
+    assert record["num_docs"] == kept and kept < record["cut_from"] <= kept + CHUNK_DOCS < 4000   # read: one chunk more
 
 
 def test_the_output_depends_neither_on_workers_nor_on_executor_nor_on_chunking(tmp_path, tokenizer, monkeypatch):
@@ -296,3 +300,16 @@ def test_a_damaged_or_missing_shard_of_a_finished_part_is_found_and_the_part_pre
     (tmp_path / "out" / "meta.json").unlink()
     prepare(PrepConfig(**cfg))
     assert _files(tmp_path / "out") == reference
+
+
+def test_a_truncated_shard_of_a_sharded_preparation_is_refused_naming_the_file(tmp_path, tokenizer):
+    _jsonl_files(tmp_path / "src", num_files=2, docs_per_file=100)
+    out = tmp_path / "out"
+    meta = prepare(PrepConfig(source=f"files:{tmp_path / 'src'}/*.jsonl.gz", out=out, tokenizer=tokenizer,
+                              seq_len=16, val_fraction=0.2, num_proc=1))
+    shard = out / meta["shards"]["train"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-32])   # 16 whole tokens fewer
+    tokens = meta["shards"]["train"][1]["num_tokens"]
+    with pytest.raises(ValueError, match=rf"{shard} holds {2 * tokens - 32} bytes; its meta.json says {tokens} "
+                                         rf"uint16 tokens"):
+        TokenDataset(out, "train", 16)
