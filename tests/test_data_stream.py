@@ -261,14 +261,9 @@ def test_another_command_into_the_same_directory_is_refused_naming_the_settings(
     assert again["seed"] == 1 and again["shards"] != first["shards"]
 
 
-def test_the_slurm_array_tasks_carry_the_cluster_options(tmp_path, monkeypatch):
+def test_the_slurm_array_tasks_carry_the_cluster_options(tmp_path, fake_srun):
     from data_prep import slurm
     from data_prep.prepare import parse_args
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text("#!/bin/sh\n")
-    (fake / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")   # submitit looks for srun
     cfg, args = parse_args(["--source", "stdlib-docs", "--out", str(tmp_path / "out"), "--executor", "slurm",
                             "--tasks", "4", "--num-proc", "16", "--partition", "cpu", "--account", "proj",
                             "--time", "4:00:00", "--mem-gb", "64"])
