@@ -308,14 +308,25 @@ def next_part(plan: Plan, records: dict[int, dict], running: set[int],
     return None
 
 
+def log_progress(plan: Plan, records: dict[int, dict], index: int) -> None:
+    """One line per finished part: parts done, training tokens so far, and the budget's share when there is one."""
+    tokens = sum(r["splits"]["train"]["num_tokens"] for r in records.values())
+    budget = plan.budget.max_tokens
+    share = f" ({tokens / budget:.1%} of --max-tokens)" if budget else ""
+    log.info("part %d done (%d of %d parts finished): %s training tokens%s", index, len(records), len(plan.parts),
+             f"{tokens:,}", share)
+
+
 def run_local(plan: Plan, num_proc: int, mine: Callable[[int], bool] = lambda index: True) -> list[float]:
     """The plan's missing `mine` parts on `num_proc` worker processes (in this process for 1), in source order;
     stops as soon as the finished parts meet the budget (workers still running past it are terminated). Records
     are read again before each choice: other SLURM tasks finish parts too."""
     rss, out = [], str(plan.out)
     if num_proc == 1:
-        while (index := next_part(plan, plan.records(), set(), mine)) is not None:
-            rss.append(run_part(out, index)[1])
+        while (index := next_part(plan, records := plan.records(), set(), mine)) is not None:
+            records[index], peak = run_part(out, index)
+            rss.append(peak)
+            log_progress(plan, records, index)
         return rss
     done: queue.Queue = queue.Queue()
     # spawn: the workers import only numpy, the readers and the tokenizer; nothing of this process is forked.
@@ -335,6 +346,7 @@ def run_local(plan: Plan, num_proc: int, mine: Callable[[int], bool] = lambda in
                 raise error
             records[index] = result[0]
             rss.append(result[1])
+            log_progress(plan, records, index)
             if plan.usage(records)[1] is None and next_part(plan, records, running, mine) is None:
                 return rss   # leaving the pool terminates workers on parts past the budget
 
