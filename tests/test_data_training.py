@@ -5,6 +5,7 @@ ranks; a vocabulary above 65,536 ids gives 4-byte shards; a hub name that is not
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,12 @@ def test_hf_tokenized_data_evaluates_and_exports_with_its_tokenizer(trained, hf_
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert (model.config.eos_token_id, model.config.pad_token_id) == (2, 3)
     assert model.config.vocab_size == hf_data["meta"]["vocab_size"]
+    # a tokenizer without a pad token (meta.json pad_id -1, fine for packed data) exports pad_token_id None
+    no_pad = tmp_path / "no_pad"
+    shutil.copytree(Path(hf_data["dir"]) / "tokenizer", no_pad / "tokenizer")
+    (no_pad / "meta.json").write_text(json.dumps({**hf_data["meta"], "pad_id": -1}))
+    out = import_tool("export_hf").export(trained["two"]["ckpt"], tmp_path / "hf_no_pad", no_pad)
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] is None
 
 
 def test_a_vocabulary_above_65536_ids_gives_int32_shards(tmp_path):
