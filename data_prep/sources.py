@@ -1,62 +1,46 @@
-"""Document sources for data preparation: `stdlib-docs`, `hf:NAME[:CONFIG]` and `files:GLOB`.
+"""Document sources: `--source` parsed, planned into parts, and each part read as a stream of documents.
 
-Owns turning a `--source` string into a `datasets.Dataset` with one `text` column, one document per row,
-in a deterministic order. It does not tokenize or split (prepare.py does). research/pretraining_ecosystem.md s2.
+Owns the unit of work of a preparation, the *part*: a fixed slice of the source whose documents one worker reads,
+tokenizes and writes into its own shards (parts.py). The plan (the list of parts) is a pure function of the source
+and the settings, so a restarted preparation and every SLURM task see the same parts (datatrove's model: tasks own
+files, a completed task is skipped on restart). Does not tokenize or split. research/pretraining_ecosystem.md s2.
 
 - `stdlib-docs`: the docstrings and full-line comment blocks of the running Python's standard library (the
   `.py` files under `sysconfig`'s stdlib path, `site-packages` excluded), present on every machine, no network.
   Files are read in sorted path order and each file's documents in line order, so the corpus is a pure function
-  of the Python version. Docstrings come from `ast`; comments from one regex pass over comments and string
-  literals, which finds the same comments as `tokenize` (a test checks it) at a fraction of its cost. Only
-  full-line comments are kept (trailing ones are mostly tags such as `# noqa`), grouped into blocks of
-  consecutive lines. Parsing dominates the time (about 20 CPU-seconds for the whole 3.11 stdlib).
-- `hf:NAME[:CONFIG]`: any hub dataset with a `text` column, split `train`; streamed when `max_docs` bounds it.
-- `files:GLOB`: `.txt` and gzip-compressed text (`.txt.gz`, info manuals `*.info.gz`, `*.info-1.gz`) split into
-  documents at info node separators (0x1f) when the file has them, else at blank lines (paragraphs);
-  `.jsonl` / `.jsonl.gz` with a `text` field per line; `.parquet` with a `text` column. One info node is a
-  natural document (a manual section); paragraphs are the closest unit in plain prose.
-  Files are decoded with `TextOptions` (`--encoding`, default utf-8; `--errors`, default strict: the first
-  undecodable byte is an error naming the file and offset; `replace`/`ignore` replace or drop such bytes). A file
-  whose share of undecodable bytes and control characters exceeds MAX_NOT_TEXT_SHARE is refused as not text,
-  whatever `--errors` says: a tokenizer trained on binary data learns garbage pieces. Every read, decode or parse
-  error names the file; a glob whose files hold no document is refused naming them.
+  of the Python version; STDLIB_FILES_PER_PART files make a part. Docstrings come from `ast`; comments from one
+  regex pass over comments and string literals, which finds the same comments as `tokenize` (a test checks it) at
+  a fraction of its cost. Only full-line comments are kept (trailing ones are mostly tags such as `# noqa`),
+  grouped into blocks of consecutive lines. Parsing dominates the time (about 20 CPU-seconds for the 3.11 stdlib).
+- `hf:NAME[:CONFIG]`: a hub dataset by name, or a local folder (of data files, or written by `save_to_disk`),
+  split `train`, always streamed (no full download): one part per shard of the streaming dataset (its data files),
+  or PART_ROWS rows of a `save_to_disk` folder.
+- `files:GLOB`: the kinds of readers.py (JSON lines, parquet, text; `.gz`/`.zst`), files in sorted order; an
+  uncompressed JSON-lines file larger than `part_bytes` is cut into byte ranges, a parquet file into runs of row
+  groups of about `part_bytes`; any other file is one part.
 """
 
 from __future__ import annotations
 
 import ast
-import codecs
-import contextlib
+import dataclasses
 import gc
 import glob
-import gzip
-import itertools
-import json
 import logging
-import multiprocessing
 import os
 import re
 import sysconfig
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
-import datasets
-from tqdm import tqdm
+from data_prep.readers import COMPRESSIONS, ReadOptions, file_documents, file_kind
 
 log = logging.getLogger(__name__)
 
 ALLOWED_SOURCES = "stdlib-docs, hf:NAME[:CONFIG], files:GLOB"
-ERRORS = ("strict", "replace", "ignore")
-# Real prose has next to no control characters; random or binary bytes decode to several percent of them.
-MAX_NOT_TEXT_SHARE = 0.01
-# Control characters text files do hold: tab, newline, vertical tab, form feed, carriage return, and the info
-# format's node separator 0x1f and tag-table separator DEL 0x7f. Every other C0 character and the C1 block count
-# against MAX_NOT_TEXT_SHARE.
-_CONTROL = re.compile("[\x00-\x08\x0e-\x1e\x80-\x9f]")
-_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")   # an undecodable byte under the surrogateescape handler
-ALLOWED_FILE_TYPES = ".txt, .gz (text, e.g. .txt.gz, .info.gz), .jsonl, .jsonl.gz, .parquet"
+STDLIB_FILES_PER_PART = 64
+PART_ROWS = 100_000          # rows of a save_to_disk dataset per part
 # Shorter comment blocks are mostly tags (`# noqa`, `# type: ignore`, `# XXX`), not prose.
 MIN_COMMENT_CHARS = 20
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
@@ -74,30 +58,11 @@ _COMMENT_OR_STRING = re.compile(
     r"|'(?:[^'\\\n]|\\.)*')",
     re.DOTALL,
 )
-_INFO_NODE_SEPARATOR = "\x1f"
-_BLANK_LINES = re.compile(r"\n[ \t]*\n")
-
-
-@dataclass(frozen=True)
-class TextOptions:
-    """How `files:` sources decode bytes: a Python codec name and what to do with bytes it cannot decode."""
-
-    encoding: str = "utf-8"
-    errors: str = "strict"
-
-    def __post_init__(self) -> None:
-        try:
-            codecs.lookup(self.encoding)
-        except LookupError:
-            raise ValueError(f"--encoding: got {self.encoding!r}; allowed: a Python codec name, e.g. utf-8, "
-                             "latin-1, cp1252") from None
-        if self.errors not in ERRORS:
-            raise ValueError(f"--errors: got {self.errors!r}; allowed: {', '.join(ERRORS)}")
 
 
 @dataclass(frozen=True)
 class Source:
-    """A parsed `--source`: kind is `stdlib-docs`, `hf` (arg = dataset name) or `files` (arg = glob)."""
+    """A parsed `--source`: kind is `stdlib-docs`, `hf` (arg = dataset name or folder) or `files` (arg = glob)."""
 
     kind: str
     arg: str = ""
@@ -118,14 +83,178 @@ def parse_source(spec: str) -> Source:
     raise ValueError(f"--source: got {spec!r}; allowed: {ALLOWED_SOURCES}")
 
 
-def load_documents(source: Source, *, max_docs: int | None = None, num_proc: int = 1,
-                   text: TextOptions = TextOptions()) -> datasets.Dataset:
-    """The source's documents (non-blank, in source order, at most `max_docs`) as a Dataset with column `text`;
-    `text` decodes `files:` sources."""
+@dataclass(frozen=True)
+class Part:
+    """One slice of the source. kind: `stdlib` (files), `file` (path; byte range [start, stop) or row groups),
+    `hf` (shard `shard` of `num_shards` of dataset `path`), `hf_disk` (rows [start, stop) of a saved folder)."""
+
+    kind: str
+    path: str = ""
+    files: tuple[str, ...] = ()
+    start: int = 0
+    stop: int | None = None
+    row_groups: tuple[int, int] | None = None
+    config: str | None = None
+    shard: int = 0
+    num_shards: int = 1
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v != getattr(Part, k, None) or k == "kind"}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Part":
+        data = dict(data)
+        for key in ("files", "row_groups"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+    def describe(self) -> str:
+        if self.kind == "stdlib":
+            return f"stdlib {self.files[0]} .. {self.files[-1]}"
+        if self.kind == "hf":
+            return f"hf:{self.path} shard {self.shard}/{self.num_shards}"
+        if self.row_groups:
+            return f"{self.path} row groups {self.row_groups[0]}..{self.row_groups[1] - 1}"
+        return f"{self.path}" + (f" bytes {self.start}..{self.stop}" if self.stop is not None else "")
+
+
+def plan_parts(source: Source, opts: ReadOptions, part_bytes: int) -> list[Part]:
+    """The parts of a source, in source order."""
+    if source.kind == "stdlib-docs":
+        files = [str(p) for p in stdlib_files()]
+        return [Part("stdlib", files=tuple(files[i: i + STDLIB_FILES_PER_PART]))
+                for i in range(0, len(files), STDLIB_FILES_PER_PART)]
     if source.kind == "hf":
-        return _hf_documents(source, max_docs)
-    docs = stdlib_documents(num_proc) if source.kind == "stdlib-docs" else file_documents(source.arg, text)
-    return datasets.Dataset.from_dict({"text": list(itertools.islice(docs, max_docs))})
+        return _hf_parts(source, opts)
+    return _file_parts(source.arg, opts, part_bytes)
+
+
+def part_documents(part: Part, opts: ReadOptions) -> Iterator[str]:
+    """The part's non-blank documents in source order, streamed."""
+    if part.kind == "stdlib":
+        return (doc for path in part.files for doc in python_file_documents(Path(path).read_bytes()))
+    if part.kind in ("hf", "hf_disk"):
+        return _hf_documents(part, opts)
+    return _counted(part, file_documents(part.path, opts, part.start, part.stop, part.row_groups))
+
+
+def iter_documents(source: Source, opts: ReadOptions = ReadOptions(), part_bytes: int = 1 << 27) -> Iterator[str]:
+    """Every document of the source in plan order (tests and small tools; a preparation reads parts in workers)."""
+    for part in plan_parts(source, opts, part_bytes):
+        yield from part_documents(part, opts)
+
+
+def _counted(part: Part, docs: Iterator[str]) -> Iterator[str]:
+    found = 0
+    for doc in docs:
+        found += 1
+        yield doc
+    if not found:
+        log.warning("no documents in %s", part.describe())
+
+
+# ----------------------------------------------------------------------------------------------------- files
+
+def _file_parts(pattern: str, opts: ReadOptions, part_bytes: int) -> list[Part]:
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise ValueError(f"--source files:{pattern}: no file matches this glob")
+    kinds = {path: file_kind(path, opts.format) for path in paths}   # refuse an unknown type before any work
+    parts = []
+    for path in paths:
+        size = os.path.getsize(path)
+        if kinds[path] == "jsonl" and not path.lower().endswith(COMPRESSIONS) and size > part_bytes:
+            parts += [Part("file", path, start=a, stop=min(size, a + part_bytes)) for a in range(0, size, part_bytes)]
+        elif kinds[path] == "parquet":
+            parts += [Part("file", path, row_groups=groups) for groups in _row_group_runs(path, part_bytes)]
+        else:
+            parts.append(Part("file", path))
+    return parts
+
+
+def _row_group_runs(path: str, part_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) runs of consecutive row groups of about `part_bytes` uncompressed bytes each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException) as err:
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    runs, first, size = [], 0, 0
+    for group in range(meta.num_row_groups):
+        size += meta.row_group(group).total_byte_size
+        if size >= part_bytes:
+            runs.append((first, group + 1))
+            first, size = group + 1, 0
+    if first < meta.num_row_groups or not runs:
+        runs.append((first, meta.num_row_groups))
+    return runs
+
+
+# -------------------------------------------------------------------------------------------------------- hf
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / f).is_file() for f in ("state.json", "dataset_dict.json"))
+
+
+def _load_saved(folder: Path):
+    import datasets
+    ds = datasets.load_from_disk(str(folder))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"--source hf:{folder}: the saved dataset has no 'train' split; splits: {list(ds)}")
+        ds = ds["train"]
+    return ds
+
+
+def _hf_stream(source_name: str, config: str | None):
+    import datasets
+    return datasets.load_dataset(source_name, config, split="train", streaming=True)
+
+
+def _check_text_column(name: str, columns: list[str] | None, key: str) -> None:
+    # A streamed dataset may not know its columns before the first row; then the row lookup below says the same.
+    if columns is not None and key not in columns:
+        raise ValueError(f"--source hf:{name}: the dataset has no {key!r} column; columns: {columns}; --text-key "
+                         f"names the column")
+
+
+def _hf_parts(source: Source, opts: ReadOptions) -> list[Part]:
+    folder = Path(source.arg)
+    if _is_saved_dataset(folder):
+        ds = _load_saved(folder)
+        _check_text_column(source.arg, ds.column_names, opts.text_key)
+        return [Part("hf_disk", source.arg, start=a, stop=min(len(ds), a + PART_ROWS))
+                for a in range(0, len(ds), PART_ROWS)]
+    stream = _hf_stream(source.arg, source.config)
+    _check_text_column(source.arg, stream.column_names, opts.text_key)
+    n = stream.num_shards
+    return [Part("hf", source.arg, config=source.config, shard=i, num_shards=n) for i in range(n)]
+
+
+def _hf_documents(part: Part, opts: ReadOptions) -> Iterator[str]:
+    key = opts.text_key
+    if part.kind == "hf_disk":
+        ds = _load_saved(Path(part.path)).select_columns([key])
+        rows = (text for a in range(part.start, part.stop, 1000) for text in ds[a: min(part.stop, a + 1000)][key])
+    else:
+        stream = _hf_stream(part.path, part.config)
+        if part.num_shards > 1:
+            stream = stream.shard(num_shards=part.num_shards, index=part.shard)
+        rows = (_text_field(part, row, key) for row in stream)
+    for text in rows:
+        if not isinstance(text, str):
+            raise ValueError(f"--source hf:{part.path}: column {key!r} holds {type(text).__name__} values; allowed: "
+                             "strings")
+        if text.strip():
+            yield text
+
+
+def _text_field(part: Part, row: dict, key: str):
+    if key not in row:
+        _check_text_column(part.path, sorted(row), key)
+    return row[key]
 
 
 # ----------------------------------------------------------------------------------------------- stdlib-docs
@@ -139,25 +268,6 @@ def stdlib_files() -> list[Path]:
             subfolders.remove("site-packages")
         found += [os.path.join(folder, name) for name in names if name.endswith(".py")]
     return [Path(path) for path in sorted(found)]
-
-
-def stdlib_documents(num_proc: int = 1) -> Iterator[str]:
-    """Docstrings and comment blocks of the stdlib, file by file; `num_proc` processes parse in parallel."""
-    files = stdlib_files()
-    with contextlib.ExitStack() as stack:
-        if num_proc > 1:
-            # imap keeps file order; when a consumer stops early (max_docs) and drops this generator, the
-            # exit stack terminates the pool.
-            pool = stack.enter_context(multiprocessing.Pool(num_proc))
-            per_file = pool.imap(_read_python_file, files, chunksize=8)
-        else:
-            per_file = map(_read_python_file, files)
-        for docs in tqdm(per_file, total=len(files), desc="stdlib-docs: parse", unit="file"):
-            yield from docs
-
-
-def _read_python_file(path: Path) -> list[str]:
-    return python_file_documents(path.read_bytes())
 
 
 def python_file_documents(source: bytes) -> list[str]:
@@ -223,142 +333,3 @@ def _flush_comment_block(block: list[str], line: int, found: list[tuple[int, str
         found.append((line, text))
 
 
-# ----------------------------------------------------------------------------------------------------- files
-
-def file_documents(pattern: str, text: TextOptions = TextOptions()) -> Iterator[str]:
-    """Documents of every file matching `pattern` (sorted), by file type (module docstring)."""
-    paths = sorted(glob.glob(pattern, recursive=True))
-    if not paths:
-        raise ValueError(f"--source files:{pattern}: no file matches this glob; allowed types: {ALLOWED_FILE_TYPES}")
-    for path in paths:
-        _file_kind(path)  # refuse an unknown type before any work
-    found = 0
-    for path in tqdm(paths, desc="files: read", unit="file"):
-        docs = read_file_documents(path, text)
-        if not docs and len(paths) > 1:
-            log.warning("no documents in %s", path)
-        found += len(docs)
-        yield from docs
-    if not found:
-        raise ValueError(f"--source files:{pattern}: no documents in {', '.join(paths)}; allowed: files holding "
-                         f"non-blank text")
-
-
-def _file_kind(path: str) -> str:
-    name = path.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".txt", ".gz")):
-        return "text"
-    raise ValueError(f"--source files: file {path!r} has an unsupported type; allowed: {ALLOWED_FILE_TYPES}")
-
-
-def read_file_documents(path: str, text: TextOptions = TextOptions()) -> list[str]:
-    """The non-blank documents of one file; ValueError naming the file for anything unreadable or not text."""
-    kind = _file_kind(path)
-    undecodable = 0
-    if kind == "parquet":
-        docs: Iterable[str] = _parquet_texts(path)
-    else:
-        content, undecodable = read_text(path, text)
-        docs = list(_jsonl_texts(path, content)) if kind == "jsonl" else split_text_documents(content)
-    docs = [doc for doc in docs if doc and doc.strip()]
-    check_is_text(path, docs, undecodable, text)
-    return docs
-
-
-def check_is_text(path: str, docs: list[str], undecodable: int, text: TextOptions = TextOptions()) -> None:
-    """Refuse a file whose undecodable bytes plus control characters exceed MAX_NOT_TEXT_SHARE of its text."""
-    chars = sum(len(doc) for doc in docs) + (undecodable if text.errors == "ignore" else 0)
-    control = sum(len(_CONTROL.findall(doc)) for doc in docs)
-    share = (undecodable + control) / max(1, chars)
-    if share > MAX_NOT_TEXT_SHARE:
-        raise ValueError(f"{path}: not text: {share:.1%} of it is undecodable bytes ({undecodable}, as "
-                         f"{text.encoding}) or control characters ({control}); allowed: at most "
-                         f"{MAX_NOT_TEXT_SHARE:.0%} (is it {text.encoding}? --encoding names another encoding)")
-
-
-def read_bytes(path: str) -> bytes:
-    """The file's bytes, gunzipped for `.gz`; ValueError naming the file when it cannot be read."""
-    gz = path.lower().endswith(".gz")
-    try:
-        if gz:
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        with open(path, "rb") as f:
-            return f.read()
-    except (OSError, EOFError, zlib.error) as err:   # gzip.BadGzipFile is an OSError
-        what = "gzip-compressed" if gz else "readable"
-        raise ValueError(f"{path}: not a {what} file ({err}); allowed types: {ALLOWED_FILE_TYPES}") from None
-
-
-def read_text(path: str, text: TextOptions = TextOptions()) -> tuple[str, int]:
-    """(decoded text, number of undecodable bytes): `strict` refuses the first one naming its offset, `replace`
-    puts U+FFFD in its place, `ignore` drops it."""
-    data = read_bytes(path)
-    try:
-        decoded = data.decode(text.encoding, "strict" if text.errors == "strict" else "surrogateescape")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: byte {err.start} is not valid {text.encoding} ({err.reason}); allowed: "
-                         f"{text.encoding} text; --encoding names another encoding, --errors replace or ignore "
-                         f"replaces or drops undecodable bytes") from None
-    undecodable = len(_ESCAPED_BYTE.findall(decoded))
-    if undecodable:
-        log.warning("%s: %d undecodable bytes (as %s) %s", path, undecodable, text.encoding,
-                    "replaced by U+FFFD" if text.errors == "replace" else "dropped")
-        decoded = _ESCAPED_BYTE.sub("\ufffd" if text.errors == "replace" else "", decoded)
-    return decoded, undecodable
-
-
-def _jsonl_texts(path: str, content: str) -> Iterator[str]:
-    for lineno, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}); allowed: one "
-                             f"JSON object with a string 'text' field per line") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ValueError(f"{path}:{lineno}: a .jsonl line must be an object with a string 'text' field")
-        yield record["text"]
-
-
-def _parquet_texts(path: str) -> list[str]:
-    import pyarrow as pa  # datasets depends on pyarrow
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.read_schema(path)
-        if "text" not in schema.names:
-            raise ValueError(f"{path}: parquet file has no 'text' column; columns: {schema.names}")
-        return pq.read_table(path, columns=["text"]).column("text").to_pylist()
-    except (OSError, pa.ArrowException) as err:
-        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
-
-
-def split_text_documents(text: str) -> list[str]:
-    """Info node separators when present, else blank-line paragraphs; surrounding blank lines dropped."""
-    parts = text.split(_INFO_NODE_SEPARATOR) if _INFO_NODE_SEPARATOR in text else _BLANK_LINES.split(text)
-    return [part.strip("\n") for part in parts if part.strip()]
-
-
-# -------------------------------------------------------------------------------------------------------- hf
-
-def _hf_documents(source: Source, max_docs: int | None) -> datasets.Dataset:
-    if max_docs is None:
-        ds = datasets.load_dataset(source.arg, source.config, split="train")
-        _check_text_column(source, ds.column_names)
-        return ds.select_columns(["text"]).filter(lambda t: bool(t.strip()), input_columns="text")
-    stream = datasets.load_dataset(source.arg, source.config, split="train", streaming=True)
-    _check_text_column(source, stream.column_names)
-    texts = (row["text"] for row in stream if row["text"].strip())
-    return datasets.Dataset.from_dict({"text": list(tqdm(itertools.islice(texts, max_docs), desc="hf: stream"))})
-
-
-def _check_text_column(source: Source, columns: list[str] | None) -> None:
-    # A streamed dataset may not know its columns before the first row; then the row lookup fails loudly.
-    if columns is not None and "text" not in columns:
-        raise ValueError(f"--source hf:{source.arg}: the dataset has no 'text' column; columns: {columns}")

@@ -59,7 +59,16 @@ def main(argv: list[str] | None = None) -> int:
             print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             print(json.dumps(ds_config, indent=2))
             return 0
-        meta = validate(cfg)
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    try:
+        env = launch_env.resolve_here()   # pure: reads the launcher's variables, starts nothing
+    except launch_env.LaunchError as err:
+        print(f"launch error: {err}", file=sys.stderr)
+        return 2
+    try:
+        meta = validate(cfg, world_size=env.world_size)   # the data checks need the global batch
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -70,11 +79,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key:28s} {value:>14,d}" if isinstance(value, int) else f"{key:28s} {value:>14.4f}")
         return 0
 
-    try:
-        env = launch_env.resolve_here()
-    except launch_env.LaunchError as err:
-        print(f"launch error: {err}", file=sys.stderr)
-        return 2
     device = launch_env.start(env)   # the GPU is chosen, then the process group starts on it
     if env.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)

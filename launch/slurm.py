@@ -175,7 +175,8 @@ def make_executor(args: argparse.Namespace) -> submitit.Executor:
     return executor
 
 
-def resolve_run(train_args: argparse.Namespace, node_cuda: tuple[bool, ...] = (False, True)) -> tuple[Config, dict]:
+def resolve_run(train_args: argparse.Namespace, node_cuda: tuple[bool, ...] = (False, True),
+                world_size: int = 1) -> tuple[Config, dict]:
     """The run's config with resume forced to auto, and the contents of its DeepSpeed JSON, validated as
     launch/pretrain.py does before any process group starts, for a training node with and without CUDA
     (`node_cuda`: the answers of `torch.cuda.is_available()` the node may give)."""
@@ -191,7 +192,7 @@ def resolve_run(train_args: argparse.Namespace, node_cuda: tuple[bool, ...] = (F
         except ValueError as err:
             raise ValueError(f"{err} (as the job would resolve it on a node {'with' if cuda else 'without'} "
                              f"CUDA, train.dtype {cfg.train.dtype!r})") from None
-    validate(cfg)
+    validate(cfg, world_size=world_size)
     return cfg, ds_source
 
 
@@ -333,7 +334,7 @@ def submit(argv: list[str]) -> submitit.Job:
     args, rest = parse_args(argv)
     check_cluster_args(args)
     node_cuda = (False, True) if args.executor == "slurm" else (_cuda_here(),)
-    cfg, ds_source = resolve_run(pretrain.parse_args(rest), node_cuda)
+    cfg, ds_source = resolve_run(pretrain.parse_args(rest), node_cuda, args.nodes * tasks_per_node(args))
     executor = make_executor(args)
     ranks = tasks_per_node(args)
     work = TrainingJob(cfg, ds_source) if args.launcher == "tasks" else TorchrunJob(cfg, ds_source, ranks)

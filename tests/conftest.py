@@ -34,3 +34,13 @@ def ranks2():
     pool = RankPool(2)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def fake_srun(tmp_path, monkeypatch):
+    """An `srun` on PATH that does nothing: submitit's SLURM executor looks for one before writing sbatch files."""
+    fake = tmp_path / "fake_bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\n")
+    (fake / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")

@@ -332,9 +332,11 @@ def test_config_problems_end_in_one_config_error_line_naming_file_key_and_value(
 # ---- data preparation refuses what is not text -------------------------------------------------------------
 
 def _prepare(tmp_path, source, *extra):
+    """One output directory per source and options: a directory holding a preparation of other settings is
+    refused (data_prep continues a preparation only with the same command)."""
     from data_prep.prepare import main
-    return main(["--source", f"files:{source}", "--out", str(tmp_path / "out"), "--vocab-size", "300",
-                 "--num-proc", "1", *extra])
+    out = tmp_path / ("out_" + "_".join([Path(source).name, *extra]).replace("-", ""))
+    return main(["--source", f"files:{source}", "--out", str(out), "--vocab-size", "300", "--num-proc", "1", *extra])
 
 
 def test_random_bytes_are_refused_as_not_text_whatever_errors_says(tmp_path):
@@ -387,7 +389,7 @@ def test_a_truncated_token_shard_is_refused_naming_the_file(tmp_path, keep):
 
 
 def test_undecodable_bytes_are_refused_by_default_and_replaced_only_when_asked(tmp_path):
-    from data_prep.sources import TextOptions, read_file_documents
+    from data_prep.readers import TextOptions, read_file_documents
     text = tmp_path / "latin1.txt"
     text.write_bytes(("caf\u00e9 au lait. " * 200 + "\n\nsecond paragraph " * 50).encode("latin-1"))
     with pytest.raises(ValueError, match=rf"{text}: byte 3 is not valid utf-8"):
@@ -402,7 +404,7 @@ def test_the_not_text_share_counts_each_undecodable_byte_once_whether_replaced_o
                                                                                           refused):
     """share = undecodable / (decoded characters + dropped bytes): 10 bad bytes in 985 text characters are 1.005%
     (over MAX_NOT_TEXT_SHARE), in 990 exactly 1%, under both --errors replace and ignore."""
-    from data_prep.sources import MAX_NOT_TEXT_SHARE, TextOptions, read_file_documents
+    from data_prep.readers import MAX_NOT_TEXT_SHARE, TextOptions, read_file_documents
     assert MAX_NOT_TEXT_SHARE == 0.01
     path = tmp_path / "mostly.txt"
     words = ("plain text " * 100)[:text_chars - 10]

@@ -123,12 +123,7 @@ def test_time_limits_in_slurm_forms_convert_to_whole_minutes(text, minutes):
     assert slurm.parse_time(text) == minutes
 
 
-def test_sbatch_file_carries_the_cluster_options(tmp_path, monkeypatch):
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text("#!/bin/sh\n")
-    (fake / "srun").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")   # submitit looks for srun
+def test_sbatch_file_carries_the_cluster_options(tmp_path, fake_srun):
     args, _ = slurm.parse_args(["--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--account", "proj",
                                 "--qos", "high", "--time", "1-00:00:00", "--job-name", "llama60m", "--cpus-per-task",
                                 "10", "--output-dir", str(tmp_path / "sub")])

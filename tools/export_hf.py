@@ -156,7 +156,9 @@ def export(checkpoint: str | Path, out: str | Path, data_dir: str | Path | None 
     config = llama_config(trained.cfg.model, trained.vocab_size)
     config.use_cache = True
     config.dtype = "float32"
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = meta["bos_id"], meta["eos_id"], meta["pad_id"]
+    # -1: the tokenizer has no such token (an HF tokenizer without pad, say); transformers wants None there
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        meta[key] if meta[key] >= 0 else None for key in ("bos_id", "eos_id", "pad_id"))
     # The run's sequence length and tokenizer travel with the weights: the perplexity command and lm-eval read them.
     setattr(config, EXPORT_KEY, {"seq_len": trained.cfg.data.seq_len, "step": trained.checkpoint.manifest["step"],
                                  "tokenizer_sha256": trained.checkpoint.manifest.get("tokenizer_sha256", "")})

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
 from distsparse.eval.perplexity import loss_sums, perplexity
+from distsparse.data.shards import TokenStream, split_files
 from distsparse.nm import NMSpec
 from distsparse.pruning import METHODS, PERMUTATIONS, PermutationConfig, PruneConfig, check_model, prune_model
 
@@ -115,8 +116,8 @@ def parse_nm(text: str) -> int:
         raise ValueError(f"--nm: got {text!r}; allowed: 1:4, 2:4, 3:4 (N kept of M = 4)") from err
 
 
-def load_split(data_dir: Path, split: str, vocab_size: int) -> np.ndarray:
-    """The token memmap of `split` ('train' or 'val'), checked against meta.json and the model's vocab."""
+def load_split(data_dir: Path, split: str, vocab_size: int) -> TokenStream:
+    """The tokens of `split` ('train' or 'val') as one stream, checked against meta.json and the model's vocab."""
     meta_path = data_dir / "meta.json"
     if not meta_path.exists():
         raise ValueError(f"--calib: got {str(data_dir)!r}; no meta.json there. Prepare data first: "
@@ -128,10 +129,11 @@ def load_split(data_dir: Path, split: str, vocab_size: int) -> np.ndarray:
     if meta["vocab_size"] > vocab_size:
         raise ValueError(f"--calib: data vocab_size {meta['vocab_size']} exceeds the model's {vocab_size}; "
                          f"allowed: data made with the model's tokenizer")
-    path = data_dir / f"{split}.bin"
-    if not path.exists():
-        raise ValueError(f"--calib: got {str(data_dir)!r}; {path.name} is missing")
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+    files = split_files(data_dir, meta, split)   # meta.json's shards, or the single SPLIT.bin of older data
+    missing = [path.name for path, _ in files if not path.exists()]
+    if missing:
+        raise ValueError(f"--calib: got {str(data_dir)!r}; {', '.join(missing)} is missing")
+    return TokenStream(files, np.dtype(meta["dtype"]))
 
 
 def calibration_windows(tokens: np.ndarray, nsamples: int, seqlen: int, seed: int) -> torch.Tensor:
@@ -139,7 +141,7 @@ def calibration_windows(tokens: np.ndarray, nsamples: int, seqlen: int, seed: in
     if nsamples <= 0:
         raise ValueError(f"--nsamples: got {nsamples}; allowed: a positive integer")
     if len(tokens) <= seqlen:
-        raise ValueError(f"--seqlen: got {seqlen}; train.bin holds only {len(tokens)} tokens; "
+        raise ValueError(f"--seqlen: got {seqlen}; the train split holds only {len(tokens)} tokens; "
                          f"allowed: < {len(tokens)}")
     starts = np.random.default_rng(seed).integers(0, len(tokens) - seqlen, size=nsamples)
     return torch.from_numpy(np.stack([tokens[s:s + seqlen] for s in starts]).astype(np.int64))

@@ -1,6 +1,7 @@
 """Token-shard dataset: samples of a prepared data directory (data_prep/prepare.py) as LongTensors.
 
-Owns reading `meta.json` and the memmap shards `train.bin` / `val.bin`; does not decide order (sampler.py).
+Owns reading `meta.json` and cutting samples from a split's shards (shards.py: meta.json's `shards` list, or the
+single `train.bin` / `val.bin` of preparations made before shards); does not decide order (sampler.py).
 DESIGN s6 data modes:
 - `packed`: one EOS-separated token stream; sample i is tokens[i*seq_len:(i+1)*seq_len] (the tail shorter than
   seq_len is not used). Any seq_len works; meta's unigram PPL was computed with the prepared one.
@@ -16,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from distsparse.data.shards import TokenStream, split_files
 
 SPLITS = ("train", "val")
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index, used by HF models
@@ -48,7 +51,8 @@ def load_meta(data_dir: str | Path, key: str = "data_dir") -> dict:
 
 
 class TokenDataset(Dataset):
-    """`ds[i] -> {"input_ids": int64 [seq_len], "labels": int64 [seq_len]}` from one split's shard."""
+    """`ds[i] -> {"input_ids": int64 [seq_len], "labels": int64 [seq_len]}` from one split's shards, read as one
+    token stream in meta.json's shard order (shards.py), so a sample may span two shards."""
 
     def __init__(self, data_dir: str | Path, split: str, seq_len: int) -> None:
         if split not in SPLITS:
@@ -57,44 +61,42 @@ class TokenDataset(Dataset):
         self.mode = self.meta["mode"]
         self.pad_id = self.meta["pad_id"]
         self.seq_len = seq_len
-        self.path = Path(data_dir) / f"{split}.bin"
-        if not self.path.is_file():
-            raise ValueError(f"data_dir: {str(data_dir)!r} has no {self.path.name} (missing file: {self.path})")
-        self._check_size(split)
+        files = split_files(Path(data_dir), self.meta, split)
+        for path, _ in files:
+            if not path.is_file():
+                raise ValueError(f"data_dir: {str(data_dir)!r} has no {path.name} (missing file: {path})")
+        self._check_sizes(split, files)
         if self.mode == "truncate_pad" and seq_len != self.meta["seq_len"]:
             raise ValueError(f"seq_len: got {seq_len}; allowed: {self.meta['seq_len']} (the data in {data_dir} is "
                              "truncate_pad rows of that length; re-prepare it for another length)")
         if self.mode == "packed" and seq_len < 2:
             raise ValueError(f"seq_len: got {seq_len}; allowed: >= 2")
-        self._tokens: np.ndarray | None = None  # opened lazily, so that pickling to workers copies no data
+        self.tokens = TokenStream(files, np.dtype(self.meta["dtype"]))
         # truncate_pad: whole rows; packed: the tail shorter than seq_len is in no sample.
-        self.num_samples = self.tokens.size // seq_len
+        self.num_samples = len(self.tokens) // seq_len
         if self.num_samples == 0:
-            raise ValueError(f"seq_len: got {seq_len}; allowed: <= {self.tokens.size}, the {split} split's length")
+            raise ValueError(f"seq_len: got {seq_len}; allowed: <= {len(self.tokens)}, the {split} split's length")
 
-    def _check_size(self, split: str) -> None:
-        """The shard's size against meta.json: whole tokens (whole rows in truncate_pad), and in packed mode the
-        split's token count, so a truncated shard is refused naming the file rather than read as a shorter split."""
+    def _check_sizes(self, split: str, files: list[tuple[Path, int]]) -> None:
+        """Each shard's size against meta.json: whole tokens (whole rows in truncate_pad) and, where meta.json counts
+        them (packed data, every shard of a sharded preparation), its tokens, so a truncated shard is refused
+        naming the file rather than read as a shorter split."""
         dtype = np.dtype(self.meta["dtype"])
-        size = self.path.stat().st_size
-        counts = self.meta["num_tokens"]
-        expected = counts.get(split) if self.mode == "packed" and isinstance(counts, dict) else None
         row = self.meta["seq_len"] if self.mode == "truncate_pad" else 1
-        unit = dtype.itemsize * row
-        if size % unit or (isinstance(expected, int) and size != expected * dtype.itemsize):
-            said = (f"{expected} {dtype} tokens ({expected * dtype.itemsize} bytes)" if isinstance(expected, int)
-                    else f"whole {f'rows of {row} ' if row > 1 else ''}{dtype} tokens")
-            raise ValueError(f"data_dir: {self.path} holds {size} bytes; its meta.json says {said}: the shard is "
-                             f"truncated or damaged; allowed: the files of one finished data_prep.prepare run")
-
-    @property
-    def tokens(self) -> np.ndarray:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=np.dtype(self.meta["dtype"]), mode="r")
-        return self._tokens
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None}
+        counts = self.meta["num_tokens"]
+        single = self.meta.get("shards") is None
+        for path, stored in files:
+            size = path.stat().st_size
+            if single:   # one SPLIT.bin: meta.json counts its tokens in packed mode only
+                expected = counts.get(split) if self.mode == "packed" and isinstance(counts, dict) else None
+            else:
+                expected = stored
+            unit = dtype.itemsize * row
+            if size % unit or (isinstance(expected, int) and size != expected * dtype.itemsize):
+                said = (f"{expected} {dtype} tokens ({expected * dtype.itemsize} bytes)" if isinstance(expected, int)
+                        else f"whole {f'rows of {row} ' if row > 1 else ''}{dtype} tokens")
+                raise ValueError(f"data_dir: {path} holds {size} bytes; its meta.json says {said}: the shard is "
+                                 f"truncated or damaged; allowed: the files of one finished data_prep.prepare run")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -103,7 +105,7 @@ class TokenDataset(Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
         start = index * self.seq_len
-        input_ids = torch.from_numpy(self.tokens[start: start + self.seq_len].astype(np.int64))
+        input_ids = torch.from_numpy(self.tokens.read(start, start + self.seq_len).astype(np.int64))
         labels = input_ids.clone()
         if self.mode == "truncate_pad":
             labels[input_ids == self.pad_id] = IGNORE_INDEX

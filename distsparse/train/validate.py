@@ -6,10 +6,12 @@ from distsparse.checkpoint import check_resume
 from distsparse.config import Config, check_backbone_shapes
 from distsparse.data import TokenDataset, load_meta
 from distsparse.data.dataset import SPLITS
+from distsparse.train.data_checks import check_data
 
 
-def validate(cfg: Config) -> dict:
-    """Raise ValueError naming key, value and what is allowed; return the data's meta.json."""
+def validate(cfg: Config, world_size: int = 1) -> dict:
+    """Raise ValueError naming key, value and what is allowed; return the data's meta.json. `world_size`: the
+    ranks the run will have (the global batch is checked against the data)."""
     meta = load_meta(cfg.data.dir, key="data.dir")
     if cfg.model.vocab_size and meta["vocab_size"] > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got {cfg.model.vocab_size}; the data in {cfg.data.dir} has vocab "
@@ -22,6 +24,7 @@ def validate(cfg: Config) -> dict:
                          f"{meta['seq_len']}; allowed: {meta['seq_len']}")
     check_backbone_shapes(cfg.model, cfg.method)
     check_resume(cfg, meta)
-    for split in SPLITS:   # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
-        TokenDataset(cfg.data.dir, split, cfg.data.seq_len)
+    # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
+    datasets = {split: TokenDataset(cfg.data.dir, split, cfg.data.seq_len) for split in SPLITS}
+    check_data(cfg, meta, world_size=world_size, num_train_samples=len(datasets["train"]))
     return meta
