@@ -37,7 +37,6 @@ SYNC_OPS = frozenset({
     "unique_dim", "unique_consecutive", "unique_dim_consecutive", "repeat_interleave", "equal", "is_nonzero",
     "bincount", "histc", "_assert_async",
 })
-COPIES = frozenset({"_to_copy", "copy_", "to", "copy"})
 
 
 @dataclass
@@ -54,16 +53,15 @@ class OpCounts:
                 "top_ops": dict(self.by_op.most_common(top))}
 
 
-def _is_device_to_host_copy(name: str, args, kwargs, out) -> bool:
-    if name not in COPIES:
-        return False
-    src = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if name == "copy_":   # copy_(dst, src)
-        dst, src = args[0], args[1] if len(args) > 1 else None
-    else:
-        dst = out
-    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type != "cpu"
-            and dst.device.type == "cpu")
+def _is_device_to_host_copy(name: str, args, kwargs) -> bool:
+    """copy_(dst on the CPU, src elsewhere) or _to_copy(src elsewhere, device=cpu)."""
+    if name == "copy_":
+        dst, src = args[0], args[1]
+        return dst.device.type == "cpu" and src.device.type != "cpu"
+    if name == "_to_copy":
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu"
+    return False
 
 
 class OpCounter(TorchDispatchMode):
@@ -75,17 +73,16 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        c = self.counts
+        c = self.counts   # counted before it runs: an op that fails (a meta tensor read) was still asked for
         c.ops += 1
         c.by_op[str(func)] += 1
         if func.is_view:
             c.views += 1
-        if name in SYNC_OPS or _is_device_to_host_copy(name, args, kwargs, out):
+        if name in SYNC_OPS or _is_device_to_host_copy(name, args, kwargs):
             c.syncs += 1
             c.sync_ops[name] += 1
-        return out
+        return func(*args, **kwargs)
 
 
 def count_ops(fn, *args, **kwargs) -> tuple[OpCounts, object]:
