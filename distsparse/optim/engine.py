@@ -24,8 +24,12 @@ distsparse/optim/group_rules.py per group (Newton-Schulz on the [k, out, in] bat
 number of groups (2-3 per model), not of matrices. `masters[name]` and `states[name]` are per-matrix views of the
 rows; refreshes, checkpoints (per matrix, by name) and elastic resume (groups re-formed from the new owner map) go
 through them. The per-matrix rules (rules_*.py) are the reference the group kernels are tested against.
-`compile=True` (config optim.compile) runs the group kernels through torch.compile. The joint step (distsparse/train/joint_step.py) drives these phases together with
-DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
+`compile=True` (config optim.compile) runs the group kernels through torch.compile. Rule statistics (TANS's s,
+gamma, base and corrected update RMS) are kept per matrix on steps that ask for them (`step(stats=True)`,
+`rule_stats()`). Phase 5 writes a one-rank or replicated engine's masters back in one `_foreach_copy_`; the
+multi-rank value gather still copies matrix by matrix into its chunks.
+
+The joint step (distsparse/train/joint_step.py) drives these phases together with DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
 the collectives of the backbone and the per-matrix state. `mode="replicated"` all-reduces the buffer and lets every
 rank update every matrix: the same code with every matrix owned locally, kept as the test oracle. With one process
 every collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
