@@ -119,3 +119,21 @@ def test_a_run_writes_the_tans_statistics_to_tensorboard_on_logging_steps_only(r
                 assert all(math.isfinite(v) for v in steps.values()), tag
         gamma = {e.step: e.value for e in ea.Scalars(f"tans/{proj}/ramp_gamma_max")}
         assert gamma == pytest.approx({2: 0.0625, 4: 0.0, 5: 0.0625}), gamma
+
+
+def _replicated_stats(rank, world_size):
+    cfg, backbone = tiny_backbone("chtsnm_nobranch_1of4_row")
+    engine = MatrixEngine(backbone, rule="tans", hparams=cfg.method.rule_params, mode="replicated")
+    engine.load_state_dict(start_states(backbone, "tans", seed=1))
+    engine.start_boundary()
+    for name, g in grads_of(backbone, rank, 1).items():
+        engine.grads.add(name, g)
+    engine.reduce_gradients()
+    engine.step(1e-2, stats=True)
+    return sorted(engine.rule_stats()), sorted(m.name for m in engine.owned()), len(engine.masters)
+
+
+def test_in_replicated_mode_each_rank_reports_only_the_matrices_it_owns(ranks2):
+    (names0, owned0, updated), (names1, owned1, _) = ranks2.run(_replicated_stats)
+    assert names0 == owned0 and names1 == owned1, "every matrix counted once over the ranks"
+    assert len(names0) + len(names1) == updated and not set(names0) & set(names1)
