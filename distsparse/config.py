@@ -302,6 +302,13 @@ class EngineConfig:
 
 
 @dataclass(kw_only=True)
+class OptimConfig:
+    # torch.compile the matrix engine's group kernels (distsparse/optim/group_rules.py): the same numbers; off until
+    # a GPU run shows it pays (compiling costs tens of seconds per group shape on CPU)
+    compile: bool = False
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     steps: int = 100                   # optimizer steps
     micro_batch: int = 8               # sequences per rank per micro-step
@@ -355,6 +362,7 @@ class Config:
     method: MethodConfig = field(default_factory=MethodConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"opt_step_s", "tans_sharded_over_deepspeed_muon", "tans_sharded_over_replicated",
         "ns_flops_max_over_mean_rank", "backbone_comm_bytes_over_dense_allreduce_bf16",
-        "backbone_comm_bytes_over_dense_allreduce_fp32", "backbone_state_bytes_per_rank", "machine", "config"}
+        "backbone_comm_bytes_over_dense_allreduce_fp32", "backbone_state_bytes_per_rank", "machine", "config",
+        "ops_per_step", "syncs_per_step", "tans_ops_per_step", "tans_batched_over_per_matrix_max_rel_err", "op_counts"}
 VARIANTS = {"dense_adamw", "deepspeed_muon", "sparse_muon", "tans_replicated", "tans_sharded", "sparse_dense_side",
             "tans_sharded_backbone", "tans_replicated_backbone"}
 
@@ -108,5 +109,24 @@ def test_state_bytes_and_balance_equal_the_count_from_the_owner_map(payload):
     assert state["grad_accumulator_W=2"] == 4 * max(aligned(v) for v in per_rank(W, values))
     assert state["with_grad_accumulator_W=2_over_W=1"] == pytest.approx(
         (expected_w2 + state["grad_accumulator_W=2"]) / (state["W=1"] + state["grad_buffer_W=1"]), rel=1e-12)
+    # The groups' kept-index cache: int32 per value of the matrices a rank updates.
+    assert state["derived_cache_W=1"] == 4 * total
+    assert state["derived_cache_W=2"] == 4 * max(per_rank(W, values))
     loads = per_rank(W, cost)
     assert payload["ns_flops_max_over_mean_rank"] == pytest.approx(max(loads) / (sum(loads) / W), rel=1e-12)
+
+
+def test_every_row_has_its_op_and_sync_counts_and_the_tans_count_follows_the_groups(payload):
+    assert set(payload["ops_per_step"]) == set(payload["syncs_per_step"]) == VARIANTS
+    assert all(n > 0 for n in payload["ops_per_step"].values())
+    assert payload["syncs_per_step"]["tans_sharded_backbone"] == 0, "the engine alone syncs nothing"
+    counts = payload["op_counts"]
+    assert counts["one_rank"]["matrices"] == len(SHAPES) and counts["one_rank"]["groups"] == 3
+    assert counts["one_rank_half_layers"]["matrices"] == len(SHAPES) // 2
+    # Twice the matrices, the same groups: the same ops; so at reduced widths and on the meta device.
+    assert payload["tans_ops_per_step"] == counts["one_rank"]["ops"] == counts["one_rank_half_layers"]["ops"] \
+        == counts["one_rank_reduced_widths"]["ops"]
+    assert payload["tans_ops_per_step"] <= 1800 and counts["one_rank"]["syncs"] == 0
+    two = counts["two_ranks_reduced_widths"]
+    assert [c["matrices"] for c in two] == [sum(1 for r in owners(W).values() if r == rank) for rank in range(W)]
+    assert 0 <= payload["tans_batched_over_per_matrix_max_rel_err"] <= 1e-5

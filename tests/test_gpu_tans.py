@@ -109,3 +109,36 @@ def test_engine_step_of_a_bf16_layer_on_cuda_equals_the_fp32_cpu_step_within_bf1
     assert relative_error(gpu_engine.masters["layer"] - start.to(DEVICE), cpu_engine.masters["layer"] - start) < 3e-2
     # The bf16 weights the layer computes with are the fp32 master rounded once.
     assert torch.equal(gpu_layer.values, gpu_engine.masters["layer"].bfloat16())
+
+
+def test_a_group_whose_ramps_differ_steps_on_cuda_like_on_the_cpu_and_syncs_nothing():
+    """Four same-shape matrices, one group: tau 0..3 (ramp 8) makes gamma a [k, 1, 1] tensor copied to the device;
+    the kept-index cache, the stacked NS and the gather run on CUDA, with no host sync in a steady step."""
+    from distsparse.op_count import count_ops
+    spec, hp = NMSpec(1, 4, "row"), TansHParams(lr=1e-2)
+    cpu_layers = {f"m{i}": NMSparseLinear(128, 64, spec, seed=i) for i in range(4)}
+    gpu_layers = {n: copy.deepcopy(m).to(DEVICE) for n, m in cpu_layers.items()}
+    engines = [MatrixEngine(layers, rule="tans", hparams=hp) for layers in (cpu_layers, gpu_layers)]
+    for engine in engines:
+        engine.load_state_dict({n: {"master": m.values.detach().clone(), **init_state("tans", tuple(m.values.shape)),
+                                    "tau": torch.tensor(i, dtype=torch.int64)}
+                                for i, (n, m) in enumerate(sorted(cpu_layers.items()))})
+    assert len(engines[1].groups) == 1 and engines[1].groups[0].index.is_cuda
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        grads = {n: torch.randn(m.values.shape, generator=gen) * 1e-3 for n, m in cpu_layers.items()}
+        for engine in engines:
+            engine.start_boundary()
+            for n, g in grads.items():
+                engine.grads.add(n, g.to(engine.device))
+            engine.reduce_gradients()
+        engines[0].step(hp.lr)
+        counts, _ = count_ops(lambda: engines[1].step(hp.lr))
+        if step > 0:   # the first step builds the index cache
+            assert counts.syncs == 0, counts.sync_ops
+        torch.cuda.synchronize()
+        for engine in engines:
+            engine.zero_grad()
+    for n, m in cpu_layers.items():
+        start = NMSparseLinear(128, 64, spec, seed=int(n[1:])).values.detach()
+        assert relative_error(gpu_layers[n].values - start.to(DEVICE), m.values - start) < 3e-2, n

@@ -300,10 +300,10 @@ def _schedule_of_both_sides(rank, world_size, data_dir, out_dir):
     seen = {"dense": [], "backbone": [], "refreshed": []}
     step = trainer.matrix.step
 
-    def recording(lr, clip_coef=1.0, refresh=None):
+    def recording(lr, clip_coef=1.0, refresh=None, **kwargs):
         seen["backbone"].append(lr / cfg.method.lr)
         seen["refreshed"].append(refresh is not None)
-        return step(lr, clip_coef, refresh)
+        return step(lr, clip_coef, refresh, **kwargs)
 
     trainer.matrix.step = recording
     for _ in range(cfg.train.steps):

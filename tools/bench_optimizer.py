@@ -36,7 +36,15 @@ reported beside it (`grad_buffer_*`, `with_grad_buffer_*`), and so is sharded mo
 gradients (`grad_accumulator_W=2`, `with_grad_accumulator_*`). `ns_flops_max_over_mean_rank` is the LPT load balance
 of the owner map under `matrix_cost` at W = 2; the table adds W = 4 and 8.
 
+Launches (issue 25): every row also reports its aten ops and host syncs per step (`ops_per_step`, `syncs_per_step`:
+one untimed call on rank 0 under distsparse/op_count.py's counter), and the counts phase gives `tans_ops_per_step`
+(one steady TANS backbone step on one rank at the model's shapes, counted on the meta device; with half the layers,
+and at reduced widths on 1 and 2 gloo ranks beside it: the count follows the shape groups, not the matrices) and
+`tans_batched_over_per_matrix_max_rel_err` (the engine's group kernels against the per-matrix rules); how, in
+tools/optimizer_counts.py. `--model 350m` runs the counts phase only (`--counts-only`).
+
     python tools/bench_optimizer.py --json out.json                 # 60m shapes, vocab 32000, 1:4 row-wise
+    python tools/bench_optimizer.py --model 350m --json out.json    # op counts and the error at 350m (168 matrices)
     python tools/bench_optimizer.py --model 130m --json out.json
     python tools/bench_optimizer.py --quick --json out.json         # tiny model, for the test suite
 """
@@ -59,14 +67,18 @@ from typing import Any
 
 import torch
 from benchlib import add_json_arg, machine_info, paired_ratio, print_table, write_json
+from optimizer_counts import count_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
 VOCAB = 32000
 QUICK_VOCAB = 512   # the smoke test times the same steps; the embeddings need not be full size
 SPARSE_METHOD = "chtsnm_nobranch_1of4_row"   # 1:4 row-wise, rule tans
-PHASES = ("dense_adamw", "deepspeed_muon", "engine")
-TARGETS = {   # issue 4
+PHASES = ("dense_adamw", "deepspeed_muon", "engine", "counts")
+COUNT_WIDTH = 256   # the 2-rank op count's hidden size (tools/optimizer_counts.py): widths divided to about this
+TARGETS = {   # issue 4; the op count and the error: issue 25 (at 350m: 168 matrices, one rank)
+    "tans_ops_per_step": 1800,
+    "tans_batched_over_per_matrix_max_rel_err": 1e-5,
     "tans_sharded_over_deepspeed_muon": 1.15,
     "tans_sharded_over_replicated": 0.6,
     "ns_flops_max_over_mean_rank": 1.1,
@@ -79,7 +91,11 @@ TARGETS = {   # issue 4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_json_arg(p)
-    p.add_argument("--model", default="60m", choices=("60m", "130m"), help="model preset whose shapes are timed")
+    p.add_argument("--model", default="60m", choices=("60m", "130m", "350m"),
+                   help="model preset whose shapes are timed and counted (350m: counted only, --counts-only)")
+    p.add_argument("--counts-only", action="store_true",
+                   help="only the op counts and the batched-vs-per-matrix error, no timed phases (implied by --model "
+                        "350m: its DeepSpeed engines and Newton-Schulz steps do not fit two CPU ranks)")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny model, vocab {QUICK_VOCAB}, one round, DeepSpeed's Muon kernels eager (smoke test)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds per measurement (default 1; 0 quick)")
@@ -93,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = ((0 if args.quick else 1) if args.warmup is None else args.warmup)
     args.repeats = ((1 if args.quick else 3) if args.repeats is None else args.repeats)
     args.eager = args.eager or args.quick
+    args.counts_only = args.counts_only or args.model == "350m"
     if args.warmup < 0 or args.repeats < 1:
         p.error(f"--warmup: got {args.warmup}, --repeats: got {args.repeats}; allowed: warmup >= 0, repeats >= 1")
     return args
@@ -185,6 +202,7 @@ class _Rank:
         self.tans_hp = TansHParams(lr=self.cfg_sparse.method.lr, ramp_steps=0)
         self.muon_hp = MuonHParams()
         self.sparse = None
+        self.row_counts: dict[str, dict[str, int]] = {}
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -192,11 +210,24 @@ class _Rank:
             print(f"bench_optimizer: [{time.perf_counter() - self.start:.0f}s, peak {rss:.1f} GiB] {msg}",
                   file=sys.stderr, flush=True)
 
-    def time(self, fn: Callable[[], Any]) -> float:
-        return _median_time(fn, self.args.warmup, self.args.repeats, self.sync)
+    def time(self, name: str, fn: Callable[[], Any]) -> float:
+        """Median time of `fn`, and one more call under the dispatch counter (row `name`)."""
+        t = _median_time(fn, self.args.warmup, self.args.repeats, self.sync)
+        self.count(name, fn)
+        return t
 
-    def paired(self, fn_a: Callable[[], Any], fn_b: Callable[[], Any]) -> tuple[float, float, float]:
-        return paired_ratio(fn_a, fn_b, self.args.warmup, self.args.repeats, self.sync)
+    def paired(self, name_a: str, fn_a: Callable[[], Any], name_b: str, fn_b: Callable[[], Any]
+               ) -> tuple[float, float, float]:
+        out = paired_ratio(fn_a, fn_b, self.args.warmup, self.args.repeats, self.sync)
+        self.count(name_a, fn_a)
+        self.count(name_b, fn_b)
+        return out
+
+    def count(self, name: str, fn: Callable[[], Any]) -> None:
+        """Aten ops and host syncs of one untimed call of `fn` on this rank (every rank calls: collectives)."""
+        from distsparse.op_count import count_ops
+        counts, _ = count_ops(fn)
+        self.row_counts[name] = {"ops": counts.ops, "syncs": counts.syncs}
 
     def dense_step(self, ds_config: dict) -> Callable[[], None]:
         """A DeepSpeed engine over the whole dense model. DeepSpeed keeps its engines alive after `destroy()`
@@ -241,7 +272,7 @@ class _Rank:
 
     def phase_dense_adamw(self) -> dict[str, Any]:
         self.log("dense AdamW (DeepSpeed ZeRO-2)")
-        return {"opt_step_s": {"dense_adamw": self.time(self.dense_step(self.ds_adamw))}}
+        return {"opt_step_s": {"dense_adamw": self.time("dense_adamw", self.dense_step(self.ds_adamw))}}
 
     def phase_deepspeed_muon(self) -> dict[str, Any]:
         self.log("building DeepSpeed Muon")
@@ -249,7 +280,8 @@ class _Rank:
         self.log("building the sparse model")
         self.build_sparse()
         self.log("TANS sharded vs DeepSpeed Muon, full steps (paired; DeepSpeed's first call compiles)")
-        ratio, t_tans, t_muon = self.paired(self.full_step(self.tans_sharded, self.tans_hp.lr), muon_step)
+        ratio, t_tans, t_muon = self.paired("tans_sharded", self.full_step(self.tans_sharded, self.tans_hp.lr),
+                                            "deepspeed_muon", muon_step)
         return {"opt_step_s": {"tans_sharded": t_tans, "deepspeed_muon": t_muon},
                 "tans_sharded_over_deepspeed_muon": ratio}
 
@@ -266,16 +298,18 @@ class _Rank:
         backbone, sharded, hp = self.backbone, self.tans_sharded, self.tans_hp
         times = {}
         self.log("sparse model's dense side alone")
-        times["sparse_dense_side"] = self.time(_deepspeed_step(self.side_engine, self.side_params, self.side_grads))
+        times["sparse_dense_side"] = self.time("sparse_dense_side", _deepspeed_step(self.side_engine, self.side_params,
+                                                                                    self.side_grads))
         replicated = MatrixEngine(backbone, rule="tans", hparams=hp, mode="replicated")
         self.log("TANS sharded vs replicated, matrix engine alone (paired)")
         ratio, times["tans_sharded_backbone"], times["tans_replicated_backbone"] = self.paired(
-            _backbone_step(sharded, self.buffer, hp.lr), _backbone_step(replicated, self.buffer, hp.lr))
+            "tans_sharded_backbone", _backbone_step(sharded, self.buffer, hp.lr),
+            "tans_replicated_backbone", _backbone_step(replicated, self.buffer, hp.lr))
         self.log("TANS replicated and sparse Muon, full steps")
-        times["tans_replicated"] = self.time(self.full_step(replicated, hp.lr))
+        times["tans_replicated"] = self.time("tans_replicated", self.full_step(replicated, hp.lr))
         del replicated
         muon = MatrixEngine(backbone, rule="muon", hparams=self.muon_hp, mode="sharded", grad_accum_mode="full")
-        times["sparse_muon"] = self.time(self.full_step(muon, self.muon_hp.lr))
+        times["sparse_muon"] = self.time("sparse_muon", self.full_step(muon, self.muon_hp.lr))
         del muon
 
         # Bytes of bf16 training: bf16 values gathered, fp32 reduce-scatter (the engine's default).
@@ -309,6 +343,8 @@ class _Rank:
         state.update({f"with_grad_buffer_{w}": b for w, b in with_buffer.items()})
         state["with_grad_buffer_W=2_over_W=1"] = with_buffer["W=2"] / with_buffer["W=1"]
         state["grad_accumulator_W=2"] = accumulator
+        state["derived_cache_W=1"] = one.cache_bytes()
+        state["derived_cache_W=2"] = int(dist_max(sharded.cache_bytes()))
         state["with_grad_accumulator_W=2_over_W=1"] = (state["W=2"] + accumulator) / with_buffer["W=1"]
 
         balance = {}
@@ -329,6 +365,14 @@ class _Rank:
         }
 
 
+    def phase_counts(self) -> dict[str, Any]:
+        """Op counts of a steady TANS backbone step and the batched step's error (tools/optimizer_counts.py)."""
+        from optimizer_counts import count_phase
+        hidden, layers = self.cfg_sparse.model.hidden_size, self.cfg_sparse.model.num_hidden_layers
+        return {"opt_step_s": {}, **count_phase(self.rank, WORLD_SIZE, self.args.preset, self.tans_hp, layers=layers,
+                                                width_divisor=max(1, hidden // COUNT_WIDTH), log=self.log)}
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int, phases: tuple[str, ...], out_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -342,6 +386,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, phases: tuple[str
         part = getattr(me, f"phase_{phase}")()
         result["opt_step_s"].update(part.pop("opt_step_s"))
         result.update(part)
+    result["row_counts"] = me.row_counts
     me.log(f"done: {', '.join(phases)}")
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
@@ -366,14 +411,16 @@ def run_ranks(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     if args.eager:
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
-    groups = [PHASES] if args.quick else [(phase,) for phase in PHASES]
-    merged: dict[str, Any] = {"opt_step_s": {}}
+    phases = ("counts",) if args.counts_only else PHASES
+    groups = [phases] if args.quick else [(phase,) for phase in phases]
+    merged: dict[str, Any] = {"opt_step_s": {}, "row_counts": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for i, phases in enumerate(groups):
             out = Path(tmp) / f"rank0-{i}.json"
             mp.spawn(_rank_main, args=(args, _free_port(), phases, str(out)), nprocs=WORLD_SIZE, join=True)
             part = json.loads(out.read_text())
             merged["opt_step_s"].update(part.pop("opt_step_s"))
+            merged["row_counts"].update(part.pop("row_counts"))
             merged.update(part)
     return merged
 
@@ -382,64 +429,94 @@ def _verdict(value: float, target: float) -> str:
     return "met" if value <= target else "MISSED"
 
 
+def _config(args: argparse.Namespace, extra: dict | None, counts: dict, load_start) -> dict[str, Any]:
+    config = {
+        "model": args.preset, "vocab_size": args.vocab, "method": SPARSE_METHOD, "sparsity": "1:4", "layout": "row",
+        "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
+        "quick": args.quick, "counts_only": args.counts_only, "warmup": args.warmup, "repeats": args.repeats,
+        "op_counts": "aten ops and host syncs (distsparse/op_count.py) of one untimed call per row on rank 0; "
+                     "tans_ops_per_step: one steady TANS backbone step (reduce, norm, step with clip 0.5, zero) on "
+                     "one rank at the model's shapes on the meta device (tools/optimizer_counts.py); the 2-rank count "
+                     f"at the model's layers with widths / {counts['width_divisor']} on 2 gloo ranks",
+        "tans_hparams": "paper defaults with ramp_steps 0 (the NS correction on every step)",
+        "tans_batched_over_per_matrix_max_rel_err": "2 TANS steps, engine (group kernels) vs rules.step_each "
+                                                    "(per-matrix): max |update error| / max |update|, and V, P; one "
+                                                    "layer at full width and every layer at reduced widths",
+        "targets": TARGETS,
+        "load_average_1_5_15_min": {"start": load_start, "end": os.getloadavg()},
+    }
+    if extra is None:
+        return config
+    return {**config,
+            "deepspeed": "ZeRO-2 (configs/ds/zero2.json via build_ds_config), torch AdamW; Muon: optimizer type "
+                         "'Muon', ns_method default (gram), momentum 0.95",
+            "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if args.eager else
+                                      "torch.compile (DeepSpeed default)",
+            "gradients": "synthetic: fixed random gradients injected through autograd (DeepSpeed) or into the engine "
+                         "buffer; no forward/backward timed",
+            "statistic": "median over rounds; ratios: median of per-round ratios, paired rounds in alternating order",
+            "tans_sharded_over_deepspeed_muon": "full optimizer step of the sparse model (DeepSpeed dense side + "
+                                                "engine) over DeepSpeed Muon's step of the dense model",
+            "tans_sharded_over_replicated": "matrix engine alone: reduce_gradients + step, sharded over replicated",
+            "comm_bytes": "per rank per step, ring model, padding included, bf16 training (fp32 reduce-scatter, bf16 "
+                          "all-gather), codes amortized over update_interval; denominator 2 (W-1)/W x dense numel x "
+                          "bytes",
+            "update_interval": extra["update_interval"], "backbone_matrices": extra["matrices"],
+            "backbone_values": extra["values"], "backbone_dense_numel": extra["dense_numel"],
+            "shard_size": extra["shard_size"],
+            "state_bytes": "optimizer state: MatrixEngine.state_bytes() (fp32 masters, rule state, gradients) minus "
+                           "the fp32 gradients, reported separately: full mode's buffer (grad_buffer_, "
+                           "with_grad_buffer_) and sharded mode's accumulator (grad_accumulator_, "
+                           "with_grad_accumulator_); derived_cache_: the groups' int32 kept index "
+                           "(MatrixEngine.cache_bytes(), not in the state)",
+            "grad_accum_mode": "full (the buffer is filled directly); the accumulator figures from a sharded-mode "
+                               "engine"}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     load_start = os.getloadavg()   # the machines are shared: the load next to the numbers says how noisy they are
     result = run_ranks(args)
-    extra = result.pop("_extra")
-    config = {
-        "model": args.preset, "vocab_size": args.vocab, "method": SPARSE_METHOD, "sparsity": "1:4", "layout": "row",
-        "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
-        "quick": args.quick, "warmup": args.warmup, "repeats": args.repeats,
-        "deepspeed": "ZeRO-2 (configs/ds/zero2.json via build_ds_config), torch AdamW; Muon: optimizer type "
-                     "'Muon', ns_method default (gram), momentum 0.95",
-        "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if args.eager else "torch.compile (DeepSpeed default)",
-        "gradients": "synthetic: fixed random gradients injected through autograd (DeepSpeed) or into the engine "
-                     "buffer; no forward/backward timed",
-        "statistic": "median over rounds; ratios: median of per-round ratios, paired rounds in alternating order",
-        "tans_sharded_over_deepspeed_muon": "full optimizer step of the sparse model (DeepSpeed dense side + engine) "
-                                            "over DeepSpeed Muon's step of the dense model",
-        "tans_sharded_over_replicated": "matrix engine alone: reduce_gradients + step, sharded over replicated",
-        "comm_bytes": "per rank per step, ring model, padding included, bf16 training (fp32 reduce-scatter, bf16 "
-                      "all-gather), codes amortized over update_interval; denominator 2 (W-1)/W x dense numel x "
-                      "bytes",
-        "update_interval": extra["update_interval"], "backbone_matrices": extra["matrices"],
-        "backbone_values": extra["values"], "backbone_dense_numel": extra["dense_numel"],
-        "shard_size": extra["shard_size"],
-        "state_bytes": "optimizer state: MatrixEngine.state_bytes() (fp32 masters, rule state, gradients) minus the "
-                       "fp32 gradients, reported separately: full mode's buffer (grad_buffer_, with_grad_buffer_) "
-                       "and sharded mode's accumulator (grad_accumulator_, with_grad_accumulator_)",
-        "grad_accum_mode": "full (the buffer is filled directly); the accumulator figures from a sharded-mode engine",
-        "targets": TARGETS,
-        "load_average_1_5_15_min": {"start": load_start, "end": os.getloadavg()},
-    }
-    payload = {**result, "machine": machine_info(), "config": config}
+    extra = result.pop("_extra", None)
+    per_row = result.pop("row_counts")
+    result["ops_per_step"] = {k: v["ops"] for k, v in per_row.items()}
+    result["syncs_per_step"] = {k: v["syncs"] for k, v in per_row.items()}
+    payload = {**result, "machine": machine_info(), "config": _config(args, extra, result["op_counts"], load_start)}
     if args.json:
         write_json(args.json, payload)
 
-    state = result["backbone_state_bytes_per_rank"]
-    sent = extra["sent_bf16"]
-    rows: list[list[Any]] = [[f"opt_step_s/{k}", v, "", ""] for k, v in result["opt_step_s"].items()]
-    for key in ("tans_sharded_over_deepspeed_muon", "tans_sharded_over_replicated",
-                "backbone_comm_bytes_over_dense_allreduce_bf16", "backbone_comm_bytes_over_dense_allreduce_fp32",
-                "ns_flops_max_over_mean_rank"):
-        rows.append([key, result[key], f"<= {TARGETS[key]}", _verdict(result[key], TARGETS[key])])
-    for w, b in extra["balance"].items():
-        if int(w) != WORLD_SIZE:
-            rows.append([f"ns_flops_max_over_mean_rank (W={w})", b, "", ""])
-    rows.append(["state bytes W=2 / W=1", state["W=2_over_W=1"], f"<= {TARGETS['state_W2_over_W1']}",
-                 _verdict(state["W=2_over_W=1"], TARGETS["state_W2_over_W1"])])
-    rows.append(["state bytes W=1 / W=2 (MiB)", f"{state['W=1'] / 2**20:.1f} / {state['W=2'] / 2**20:.1f}", "", ""])
-    rows.append(["state + grad buffer W=2 / W=1", state["with_grad_buffer_W=2_over_W=1"], "", ""])
-    rows.append(["grad buffer W=1 / W=2 (MiB)",
-                 f"{state['grad_buffer_W=1'] / 2**20:.1f} / {state['grad_buffer_W=2'] / 2**20:.1f}", "", ""])
-    rows.append(["state + grad accumulator W=2 / W=1", state["with_grad_accumulator_W=2_over_W=1"], "", ""])
-    rows.append(["sent/rank/step bf16 (MiB): reduce+values+codes+scalars",
-                 (f"{sent['reduce'] / 2**20:.2f}+{sent['values'] / 2**20:.2f}+{sent['codes'] / 2**20:.4f}"
-                  f"+{sent['scalars']:.0f}B"), "", ""])
-    print(f"\n{args.preset} shapes, vocab {args.vocab}, 1:4 row-wise, {WORLD_SIZE} gloo ranks x 1 thread, "
-          f"{args.repeats} timed rounds")
-    print_table(["figure", "value", "target", "verdict"], rows)
+    rows: list[list[Any]] = [[f"opt_step_s/{k}", v, result["ops_per_step"].get(k, ""),
+                              result["syncs_per_step"].get(k, ""), "", ""] for k, v in result["opt_step_s"].items()]
+    rows += count_rows(result, TARGETS)
+    if extra is not None:
+        state = result["backbone_state_bytes_per_rank"]
+        sent = extra["sent_bf16"]
+        for key in ("tans_sharded_over_deepspeed_muon", "tans_sharded_over_replicated",
+                    "backbone_comm_bytes_over_dense_allreduce_bf16", "backbone_comm_bytes_over_dense_allreduce_fp32",
+                    "ns_flops_max_over_mean_rank"):
+            rows.append([key, result[key], "", "", f"<= {TARGETS[key]}", _verdict(result[key], TARGETS[key])])
+        for w, b in extra["balance"].items():
+            if int(w) != WORLD_SIZE:
+                rows.append([f"ns_flops_max_over_mean_rank (W={w})", b, "", "", "", ""])
+        rows.append(["state bytes W=2 / W=1", state["W=2_over_W=1"], "", "", f"<= {TARGETS['state_W2_over_W1']}",
+                     _verdict(state["W=2_over_W=1"], TARGETS["state_W2_over_W1"])])
+        rows.append(["state bytes W=1 / W=2 (MiB)", f"{state['W=1'] / 2**20:.1f} / {state['W=2'] / 2**20:.1f}", "",
+                     "", "", ""])
+        rows.append(["derived cache W=1 / W=2 (MiB)",
+                     f"{state['derived_cache_W=1'] / 2**20:.1f} / {state['derived_cache_W=2'] / 2**20:.1f}", "", "",
+                     "", ""])
+        rows.append(["state + grad buffer W=2 / W=1", state["with_grad_buffer_W=2_over_W=1"], "", "", "", ""])
+        rows.append(["grad buffer W=1 / W=2 (MiB)",
+                     f"{state['grad_buffer_W=1'] / 2**20:.1f} / {state['grad_buffer_W=2'] / 2**20:.1f}", "", "", "",
+                     ""])
+        rows.append(["state + grad accumulator W=2 / W=1", state["with_grad_accumulator_W=2_over_W=1"], "", "", "",
+                     ""])
+        rows.append(["sent/rank/step bf16 (MiB): reduce+values+codes+scalars",
+                     (f"{sent['reduce'] / 2**20:.2f}+{sent['values'] / 2**20:.2f}+{sent['codes'] / 2**20:.4f}"
+                      f"+{sent['scalars']:.0f}B"), "", "", "", ""])
+    timed = "counts only" if args.counts_only else f"{args.repeats} timed rounds"
+    print(f"\n{args.preset} shapes, vocab {args.vocab}, 1:4 row-wise, {WORLD_SIZE} gloo ranks x 1 thread, {timed}")
+    print_table(["figure", "value", "ops/step", "syncs/step", "target", "verdict"], rows)
     return payload
 
 

@@ -9,13 +9,27 @@ On the accumulation boundary:
 
     gradient buckets   --reduce_scatter-->  own gradients (mean over ranks)                 phase 1: reduce
     own gradients      --sum of squares-->  local scalar (the joint step sums)              phase 2: norm
-    owners: rule(master, grad * clip) for each owned matrix (fp32 master and state)     phase 3: update
+    owners: one group kernel per group of same-shape matrices (fp32 master and state)  phase 3: update
     owners: topology refresh of owned matrices, state follows its links                 phase 4: refresh
     codes [W * Sc] uint8 (after a refresh) and values [W * S] --all_gather--> every rank phase 5: gather
 
 The bytes on the wire equal one all-reduce of the compressed gradients; Newton-Schulz runs once per matrix and
-optimizer state is split 1/W. The joint step (distsparse/train/joint_step.py) drives these phases together with
-DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
+optimizer state is split 1/W.
+
+State layout (DESIGN decision 21; distsparse/optim/matrix_groups.py): the matrices a rank updates are split into
+groups of one key (values shape, dense frame, sparse or dense, dtype), and each group holds its fp32 masters and
+rule slot tensors as flat stacked buffers [k, r, c] (row i: the group's i-th member in name order), its counters as
+host ints, and a cached int32 kept index [k, r * c]. Phase 3 is one stacked gradient copy and one kernel of
+distsparse/optim/group_rules.py per group (Newton-Schulz on the [k, out, in] batch), so a step's ops grow with the
+number of groups (2-3 per model), not of matrices. `masters[name]` and `states[name]` are per-matrix views of the
+rows; refreshes, checkpoints (per matrix, by name) and elastic resume (groups re-formed from the new owner map) go
+through them. The per-matrix rules (rules_*.py) are the reference the group kernels are tested against.
+`compile=True` (config optim.compile) runs the group kernels through torch.compile. Rule statistics (TANS's s,
+gamma, base and corrected update RMS) are kept per matrix on steps that ask for them (`step(stats=True)`,
+`rule_stats()`). Phase 5 writes a one-rank or replicated engine's masters back in one `_foreach_copy_`; the
+multi-rank value gather still copies matrix by matrix into its chunks.
+
+The joint step (distsparse/train/joint_step.py) drives these phases together with DeepSpeed's step: it owns the order, the one clip coefficient and the skip decision; the engine owns the buffers,
 the collectives of the backbone and the per-matrix state. `mode="replicated"` all-reduces the buffer and lets every
 rank update every matrix: the same code with every matrix owned locally, kept as the test oracle. With one process
 every collective is skipped (`force_collectives` runs them anyway, so a one-GPU check exercises them on NCCL).
@@ -41,9 +55,11 @@ from distsparse.models import backbone_param
 from distsparse.nm import NMMeta, kept_index
 from distsparse.optim.grad_buckets import (BUCKET_BYTES, Comm, FullBuffer, ShardedAccumulator, align, bucket_layout,
                                            grad_bytes, resolve_grad_accum_mode)
+from distsparse.optim.group_rules import GROUP_RULES, per_matrix
+from distsparse.optim.matrix_groups import MatrixGroup, form_groups
 from distsparse.optim.matrix_state import RESET_MODES, init_shadow, move_state, update_shadow
 from distsparse.optim.owners import assign_owners, matrix_cost
-from distsparse.optim.rules import get_rule, init_state
+from distsparse.optim.rules import get_rule
 from distsparse.topology import RefreshResult
 
 GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
@@ -63,10 +79,6 @@ class Matrix:
     @property
     def sparse(self) -> bool:
         return isinstance(self.module, NMSparseLinear)
-
-    @property
-    def index(self) -> torch.Tensor | None:
-        return self.module.index if self.sparse else None
 
     @property
     def numel(self) -> int:
@@ -100,13 +112,16 @@ class MatrixEngine:
                  initial_values: dict[str, torch.Tensor] | None = None, grad_accum_mode: str = "auto",
                  micro_batches: int = 1, num_buckets: int = 1, bucket_bytes: int = BUCKET_BYTES,
                  gather_chunk: int = GATHER_CHUNK, device: torch.device | str | None = None,
-                 force_collectives: bool = False):
+                 force_collectives: bool = False, compile: bool = False):
         """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per
         optimizer step) choose how gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets`
-        sizes full mode's buckets, `bucket_bytes` caps sharded mode's."""
+        sizes full mode's buckets, `bucket_bytes` caps sharded mode's. `compile`: torch.compile the group kernels."""
         if reset_mode not in RESET_MODES:
             raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
-        self.rule, self.hp = get_rule(rule), hparams
+        self.rule_name, self.rule, self.hp = rule, get_rule(rule), hparams
+        self.group_rule = GROUP_RULES[rule]
+        # One compiled callable: dynamo keeps a graph per group shape (and per float-or-tensor coefficient).
+        self._kernel = torch.compile(self.group_rule.kernel) if compile else self.group_rule.kernel
         self.mode, self.group, self.reset_mode = mode, group, reset_mode
         self.reduce_dtype = torch.bfloat16 if reduce_dtype == "bf16" else torch.float32
         if gather_chunk < 1:
@@ -160,18 +175,20 @@ class MatrixEngine:
         self._pending_codes: dict[str, torch.Tensor] = {}
         self.last_refresh_seconds = 0.0
 
-        local = self.matrices.values() if mode == "replicated" else self.owned()
-        self.masters: dict[str, torch.Tensor] = {}
-        self.states: dict[str, dict[str, torch.Tensor]] = {}
-        for m in local:
-            init = initial_values[m.name] if initial_values else m.param.detach()
-            self.masters[m.name] = init.to(device=device, dtype=torch.float32).clone()
-            self.states[m.name] = init_state(rule, tuple(m.param.shape), device)
+        local = list(self.matrices.values()) if mode == "replicated" else self.owned()
+        self.groups: list[MatrixGroup] = form_groups(
+            local, self.rule, device, initial_values, lambda m: self.grads.grad(m.name).view(m.param.shape))
+        self._where = {name: (g, row) for g in self.groups for name, row in g.rows.items()}
+        # Made once: what phase 2's norm and phase 5's local write-back read each step (no per-step view ops).
+        self._own_grads = [self.grads.grad(m.name) for m in self.owned()]
+        self._params = [p for g in self.groups for p in g.params]
+        self._master_views = [v for g in self.groups for v in g.master_views]
+        self._rule_stats: list[tuple[MatrixGroup, dict, dict]] = []
         # reset mode `none` (paper App. I.3): a dense [out, in] fp32 shadow of every slot tensor of each sparse
         # matrix updated here, holding a link's state from the moment it left (matrix_state.py; ablation only).
         self.shadows: dict[str, dict[str, torch.Tensor]] = {
-            name: init_shadow(self.states[name], self.matrices[name].shape)
-            for name in self.masters if reset_mode == "none" and self.matrices[name].sparse}
+            name: init_shadow(g.state_of(row), self.matrices[name].shape)
+            for name, (g, row) in self._where.items() if reset_mode == "none" and self.matrices[name].sparse}
         self._hooks = [m.param.register_post_accumulate_grad_hook(self._hook(m)) for m in self.matrices.values()]
 
     # ---- gradients ---------------------------------------------------------------------------------------
@@ -180,8 +197,19 @@ class MatrixEngine:
         return [m for m in self.matrices.values() if m.owner == self.rank]
 
     def updated_here(self) -> list[Matrix]:
-        """Matrices this rank updates: its own (sharded) or all (replicated)."""
-        return [self.matrices[n] for n in self.masters]
+        """Matrices this rank updates: its own (sharded) or all (replicated), in name order."""
+        return [self.matrices[n] for n in sorted(self._where)]
+
+    @property
+    def masters(self) -> dict[str, torch.Tensor]:
+        """fp32 master of every matrix this rank updates, by name: views of the group rows (write in place)."""
+        return {name: g.master_views[row] for name, (g, row) in self._where.items()}
+
+    @property
+    def states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Rule state by name, laid out as rules.init_state: slot views of the group rows, 0-dim CPU counters
+        (copies: counters are host ints, written back by the engine only)."""
+        return {name: g.state_of(row) for name, (g, row) in self._where.items()}
 
     def _hook(self, m: Matrix):
         add = self.grads.add
@@ -234,10 +262,9 @@ class MatrixEngine:
         """Sum of squared reduced gradients of the matrices this rank owns (in both modes, so that a sum over ranks
         counts every matrix once): a float64 0-dim tensor on the engine's device, inf or nan when a gradient is.
         One fp32 norm per matrix, so the result does not depend on the bucket layout or the accumulation mode."""
-        owned = self.owned()
-        if not owned:
+        if not self._own_grads:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        norms = torch.stack([torch.linalg.vector_norm(self.grads.grad(m.name)) for m in owned])
+        norms = torch.stack(torch._foreach_norm(self._own_grads))   # one fp32 2-norm per matrix
         return norms.double().square().sum()
 
     def local_grads_nonfinite(self) -> torch.Tensor:
@@ -254,16 +281,23 @@ class MatrixEngine:
     # ---- phase 3-5: update, refresh, gather --------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, lr: float, clip_coef: float = 1.0, refresh: RefreshFn | None = None) -> dict[str, dict]:
+    def step(self, lr: float, clip_coef: float = 1.0, refresh: RefreshFn | None = None, *,
+             stats: bool = False) -> dict[str, dict]:
         """Update every matrix this rank is responsible for, refresh topologies when `refresh` is given,
-        then distribute codes and values. Returns refresh stats keyed by matrix name (this rank's)."""
-        for m in self.updated_here():
-            grad = self.grads.grad(m.name).view(m.param.shape)
+        then distribute codes and values. Returns refresh stats keyed by matrix name (this rank's). `stats`
+        (logging steps) keeps the rule's per-matrix statistics for `rule_stats()`."""
+        self._rule_stats = []
+        for group in self.groups:
+            grad = group.stacked_grads()                         # [k, r, c]
             if clip_coef != 1.0:
-                grad = grad * clip_coef
-            extra = {"mask": m.module.current_mask()} if self.rule.needs_support_mask else {}
-            self.rule.step(self.masters[m.name], grad, self.states[m.name], lr=lr, hp=self.hp,
-                           index=m.index, shape=m.shape, **extra)
+                grad.mul_(clip_coef)
+            coefficients = self.group_rule.advance(group.counters, self.hp)   # host: counters + 1
+            extra = {"pruned": group.support_complement()} if self.rule.needs_support_mask else {}
+            out = self._kernel(group.master, grad, group.slots, lr=lr, hp=self.hp, index=group.step_index(),
+                               frame=group.frame, stats=stats,
+                               **{k: per_matrix(v, self.device) for k, v in coefficients.items()}, **extra)
+            if stats and out is not None:
+                self._rule_stats.append((group, out, self.group_rule.host_stats(coefficients)))
         t0 = time.perf_counter()
         stats = self._refresh(refresh) if refresh is not None else {}
         self.last_refresh_seconds = time.perf_counter() - t0
@@ -275,7 +309,8 @@ class MatrixEngine:
         for m in self.updated_here():
             if not m.sparse:
                 continue
-            outcome = refresh(m.name, self.masters[m.name], m.module.meta)
+            group, row = self._where[m.name]
+            outcome = refresh(m.name, group.master_views[row], m.module.meta)
             self.on_refresh(m.name, outcome)
             stats[m.name] = outcome.stats
         self._distribute_codes()
@@ -286,12 +321,14 @@ class MatrixEngine:
         layout (kept links moved, new slots initialized by the topology policy); the rule state is moved here.
         The module still holds the old codes (new ones are installed after every owner has refreshed)."""
         shadow, new_index = self.shadows.get(name), None
+        group, row = self._where[name]
+        state = group.state_of(row)
         if shadow is not None:
-            update_shadow(shadow, self.matrices[name].index.long(), self.states[name])
+            update_shadow(shadow, kept_index(self.matrices[name].module.meta), state)
             new_index = kept_index(outcome.meta)
-        _, state = move_state(self.states[name], outcome.new_values, outcome.slots, self.reset_mode, shadow=shadow,
+        _, state = move_state(state, outcome.new_values, outcome.slots, self.reset_mode, shadow=shadow,
                               new_index=new_index)
-        self.masters[name], self.states[name] = outcome.new_values, state
+        group.set_row(row, outcome.new_values, state)   # the kept index row follows the new codes when installed
         self._pending_codes[name] = outcome.meta.codes
 
     def _distribute_codes(self) -> None:
@@ -316,8 +353,7 @@ class MatrixEngine:
 
     def _distribute_values(self) -> None:
         if self.mode == "replicated" or not self.collectives:
-            for m in self.updated_here():
-                m.param.data.copy_(self.masters[m.name].view(m.param.shape))
+            torch._foreach_copy_(self._params, self._master_views)   # one op for every matrix (cast to its dtype)
             return
         # The shards travel in chunks: a whole-shard gather would stage (W + 1) x shard, 1.7 GiB per rank at 1b.
         dtype = next(iter(self.matrices.values())).param.dtype   # bf16 on the wire when training in bf16
@@ -325,11 +361,12 @@ class MatrixEngine:
         send = torch.empty(chunk, dtype=dtype, device=self.comm_device)
         recv = torch.empty(w * chunk, dtype=dtype, device=self.comm_device)
         owned, everyone = self.owned(), list(self.matrices.values())
+        masters = self.masters
         for start in range(0, self.shard_size, chunk):
             n = min(chunk, self.shard_size - start)
             send[:n].zero_()
             for m, lo, hi in _overlaps(owned, start, start + n):
-                send[lo - start:hi - start] = self.masters[m.name].reshape(-1)[lo - m.offset:hi - m.offset]
+                send[lo - start:hi - start] = masters[m.name].reshape(-1)[lo - m.offset:hi - m.offset]
             dist.all_gather_into_tensor(recv[:w * n], send[:n], group=self.group)
             for m, lo, hi in _overlaps(everyone, start, start + n):
                 src = m.owner * n + lo - start
@@ -346,10 +383,13 @@ class MatrixEngine:
     # ---- state for checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per-matrix state of the matrices this rank owns, keyed by parameter name."""
+        """Per-matrix state of the matrices this rank owns, keyed by parameter name: compact copies of the group
+        rows (master, slot tensors), 0-dim int64 counters, codes, reset mode none's shadows."""
         out = {}
         for m in self.owned():
-            entry = {"master": self.masters[m.name].clone(), **{k: v.clone() for k, v in self.states[m.name].items()}}
+            group, row = self._where[m.name]
+            entry = {"master": group.master_views[row].clone(),
+                     **{k: v.clone() for k, v in group.state_of(row).items()}}
             if m.sparse:
                 entry["codes"] = m.module.codes.clone()
             entry.update({SHADOW + k: v.clone() for k, v in self.shadows.get(m.name, {}).items()})
@@ -357,12 +397,13 @@ class MatrixEngine:
         return out
 
     def load_state_dict(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Load the entries this rank updates (owners may differ from the saving run: keyed by name)."""
-        for name in self.masters:
+        """Load the entries this rank updates into their group rows (owners and groups may differ from the saving
+        run: keyed by name)."""
+        for name, (group, row) in self._where.items():
             if name not in states:
                 raise KeyError(f"matrix state for {name!r} missing from the checkpoint")
             entry = dict(states[name])
-            self.masters[name] = entry.pop("master").to(self.device, torch.float32)
+            master = entry.pop("master")
             codes = entry.pop("codes", None)
             if codes is not None:
                 self.matrices[name].module.set_codes(codes.to(self.matrices[name].module.codes.device))
@@ -372,14 +413,45 @@ class MatrixEngine:
                     raise KeyError(f"matrix state for {name!r}: reset mode 'none' needs its shadow "
                                    f"{sorted(self.shadows[name])} in the checkpoint, found {sorted(shadow)}")
                 self.shadows[name] = shadow
-            self.states[name] = {k: v.to(self.device) if v.dim() else v for k, v in entry.items()}
+            missing = [k for k in self.rule.state_keys if k not in entry]
+            if missing:
+                raise KeyError(f"matrix state for {name!r}: rule {self.rule_name!r} needs {list(self.rule.state_keys)}"
+                               f" in the checkpoint, missing {missing}")
+            group.set_row(row, master, entry)
 
     def state_bytes(self) -> int:
-        """Bytes of backbone optimizer state on this rank: masters, rule state (and shadows) and the persistent
-        gradient bytes (grad_bytes())."""
-        tensors = list(self.masters.values()) + [t for s in self.states.values() for t in s.values()]
-        tensors += [t for s in self.shadows.values() for t in s.values()]
-        return sum(t.untyped_storage().nbytes() for t in tensors) + self.grad_bytes()["persistent"]
+        """Bytes of backbone optimizer state on this rank: masters, rule state (counters at their saved 8 B), reset
+        mode none's shadows and the persistent gradient bytes (grad_bytes()). The groups' derived caches are
+        `cache_bytes()`."""
+        shadows = sum(t.untyped_storage().nbytes() for s in self.shadows.values() for t in s.values())
+        return sum(g.state_bytes() for g in self.groups) + shadows + self.grad_bytes()["persistent"]
+
+    def cache_bytes(self) -> int:
+        """Bytes of the groups' derived caches on this rank: the int32 kept index of the sparse groups (4 B per
+        value) and, for rules that need the support, its complement (1 B per dense entry)."""
+        return sum(g.cache_bytes() for g in self.groups)
+
+    def rule_stats(self) -> dict[str, dict[str, float]]:
+        """The rule's per-matrix statistics of the last `step(stats=True)`, for the matrices this rank owns (so a
+        merge over ranks counts each once in replicated mode too): name -> {stat: value}; a statistic a matrix
+        did not have that step (TANS's rms_scale when Newton-Schulz did not run) is absent. One host read."""
+        rows, device_stats = [], []
+        for group, out, host in self._rule_stats:
+            keys = [k for k, v in out.items() if v is not None]
+            device_stats += [torch.as_tensor(out[k], dtype=torch.float32, device=self.device).expand(
+                len(group), 1, 1).reshape(-1) for k in keys]
+            rows.append((group, keys, host))
+        values = torch.cat(device_stats).tolist() if device_stats else []   # the one read, logging steps only
+        result, at = {}, 0
+        for group, keys, host in rows:
+            k = len(group)
+            columns = {key: values[at + j * k:at + (j + 1) * k] for j, key in enumerate(keys)}
+            at += len(keys) * k
+            columns.update(host)
+            for i, name in enumerate(group.names):
+                if self.matrices[name].owner == self.rank:
+                    result[name] = {key: float(column[i]) for key, column in columns.items()}
+        return result
 
     def comm_bytes_per_step(self, refresh_interval: int | None) -> dict[str, float]:
         """Bytes this rank sends per optimizer step in the backbone collectives, padding included.

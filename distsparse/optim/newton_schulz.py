@@ -1,7 +1,8 @@
 """Newton-Schulz orthogonalization kernels (DESIGN s4 decision 7; research/distributed_ns.md s3).
 
 Owns the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T (paper s3.2, K = 5), its
-coefficient sets and its FLOP count. Batched over leading dims of same-shape matrices. Always:
+coefficient sets and its FLOP count. Batched over leading dims of same-shape matrices (the matrix engine runs it once
+per group of stacked matrices, distsparse/optim/matrix_groups.py). Always:
   - normalized in fp32 (a loss-scaled or large gradient must not overflow a half-precision cast),
   - iterated on the lower-dimensional side: a tall [m, n] (m > n) input is transposed so the Gram matrix is
     min x min, and transposed back (KellerJordan/Muon, DeepSpeed `original_muon.py`),
@@ -83,10 +84,14 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
         X = X.mT
     norm = torch.linalg.matrix_norm(X, keepdim=True)   # Frobenius, one per matrix
     X = (X / (COEFFICIENT_SETS[coefficients].norm_scale * norm + eps)).to(compute_dtype)
+    frame = X.shape
+    X = X.reshape(-1, *frame[-2:])   # one batch dim: a stacked group [k, m, n] is already one
     for a, b, c in table:
-        A = X @ X.mT                 # [..., min, min]
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        # (b A + c A^2) and a X + B X as fused batched GEMMs (modded-nanogpt's form): 4 kernels per iteration
+        A = torch.bmm(X, X.mT)                           # [batch, min, min]
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    X = X.view(frame)
     if transposed:
         X = X.mT
     return X.to(G.dtype)

@@ -60,3 +60,15 @@ def init_state(rule: str, shape: tuple[int, ...], device: torch.device | str | N
     state.update({key: torch.zeros((), dtype=torch.int64) for key in spec.counter_keys})
     return state
 
+
+
+def step_each(rule: str, masters: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+              states: dict[str, dict[str, torch.Tensor]], *, lr: float, hp, indices: dict[str, torch.Tensor | None],
+              shapes: dict[str, tuple[int, int]], masks: dict[str, torch.Tensor] | None = None) -> None:
+    """The per-matrix reference: `rule`'s step on each named matrix in turn, one matrix at a time (the oracle the
+    matrix engine's group kernels, distsparse/optim/group_rules.py, are checked against). `masks` only for rules
+    that need the support."""
+    spec = get_rule(rule)
+    for name, master in masters.items():
+        extra = {"mask": masks[name]} if spec.needs_support_mask else {}
+        spec.step(master, grads[name], states[name], lr=lr, hp=hp, index=indices[name], shape=shapes[name], **extra)

@@ -30,3 +30,27 @@ def to_values(dense: torch.Tensor, index: torch.Tensor | None, kept_per_row: int
 def rms(x: torch.Tensor) -> torch.Tensor:
     """Root mean square over all entries, a 0-dim tensor (no host sync)."""
     return x.square().mean().sqrt()
+
+
+# ---- the same frames for a group of k same-shape matrices stacked [k, ...] (distsparse/optim/matrix_groups.py) ----
+
+def to_dense_stacked(values: torch.Tensor, index: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
+    """scatter per matrix: values [k, out, kk], int64 index [k, out * kk] (each row a flat kept_index) ->
+    [k, out, in] with zeros off each support (a view of `values` when index is None)."""
+    k = values.shape[0]
+    if index is None:
+        return values.view(k, *shape)
+    dense = values.new_zeros(k, shape[0] * shape[1])
+    return dense.scatter_(1, index, values.view(k, -1)).view(k, *shape)
+
+
+def to_values_stacked(dense: torch.Tensor, index: torch.Tensor | None, values_shape: torch.Size) -> torch.Tensor:
+    """gather per matrix: dense [k, out, in] -> the entries on each support, `values_shape` [k, out, kk]."""
+    if index is None:
+        return dense
+    return dense.reshape(dense.shape[0], -1).gather(1, index).view(values_shape)
+
+
+def rms_stacked(x: torch.Tensor) -> torch.Tensor:
+    """Root mean square of each matrix of x [k, r, c]: [k, 1, 1] (no host sync)."""
+    return x.square().mean(dim=(-2, -1), keepdim=True).sqrt()

@@ -21,7 +21,8 @@ benchmarks all step through `JointOptimizer`, and nobody else writes this sequen
 The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in Python on its overflow flag and the
 engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
 The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
-(topology_policy.refresh_metrics).
+(topology_policy.refresh_metrics), logging steps the update rule's statistics (rule_metrics.py: one host read, one
+collective; TANS's `tans/{projection}/...`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from distsparse import dist as ddist
 from distsparse.optim.engine import MatrixEngine
 from distsparse.train.deepspeed_side import DeepSpeedSide
 from distsparse.train.method_hooks import HookSet, MethodHooks
+from distsparse.train.rule_metrics import rule_metrics
 from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
 
 log = logging.getLogger("distsparse")
@@ -99,7 +101,8 @@ class JointOptimizer:
 
     def step(self, *, measure_norm: bool = False, preempt: bool = False) -> StepReport:
         """Reduce, agree, step both sides with one coefficient (or skip both), refresh, hooks. `measure_norm`
-        asks for the joint norm when clipping is off (logging steps); `preempt` is this rank's signal flag."""
+        marks a logging step: it asks for the joint norm when clipping is off and for the update rule's statistics
+        (rule_metrics.py, one more collective); `preempt` is this rank's signal flag."""
         assert self._losses, "step() without a backward since begin()"
         # phase 1: reduce
         self.matrix.reduce_gradients()
@@ -126,9 +129,11 @@ class JointOptimizer:
         if finite:
             due = self.topology is not None and self.topology.due(taken)
             refresh = self.topology.refresh_fn(taken) if due else None
-            stats = self.matrix.step(self.backbone_lr(self.step_index), coef, refresh)
+            stats = self.matrix.step(self.backbone_lr(self.step_index), coef, refresh, stats=measure_norm)
             if refresh is not None:
                 metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
+            if measure_norm and self.matrix.group_rule.stat_keys:   # logging steps: the rule's statistics
+                metrics.update(rule_metrics(self.matrix.rule_stats(), self.matrix.rule_name))
         else:
             log.warning("step %d: non-finite gradients (dense side finite: %s, backbone finite: %s): both sides "
                         "skipped", taken, math.isfinite(dense_sq), math.isfinite(backbone_sq))

@@ -64,7 +64,7 @@ def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group
                         initial_values=initial, grad_accum_mode=cfg.engine.grad_accum_mode,
                         micro_batches=cfg.train.grad_accum, num_buckets=cfg.engine.num_buckets,
                         bucket_bytes=cfg.engine.bucket_bytes, device=device,
-                        force_collectives=cfg.engine.force_collectives)
+                        force_collectives=cfg.engine.force_collectives, compile=cfg.optim.compile)
 
 
 def deepspeed_device_args() -> SimpleNamespace | None:
