@@ -166,9 +166,21 @@ def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, s
         model = LlamaForCausalLM(config)
         sparsify(model, method, seed, branch_rank(model_cfg, method))
     if model_cfg.activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.config.use_cache = False
     return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer through the API this transformers has:
+    `activation_checkpointing_enable` (5.2x, where `gradient_checkpointing_enable` is a deprecated alias) or
+    `gradient_checkpointing_enable` (4.35 .. 5.17, which has no other name). Detected by feature, not by version,
+    so that a backport or a removal of the alias needs no change here."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int | float]:
