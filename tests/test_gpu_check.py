@@ -32,7 +32,13 @@ def test_plan_lists_every_step_with_its_command_and_the_limits_fit_in_eight_minu
     lines = {line.split()[0]: line for line in printed.splitlines() if re.match(r"^\w+\s+\d+s\s", line)}
     assert list(lines) == ["install_wheels", "install_target", "environment", "pytest_gpu", "train_check",
                            "bench_layer", "bench_inference", "bench_train_60m", "bench_train_350m"]
-    assert sum(int(re.search(r"\s(\d+)s\s", line).group(1)) for line in lines.values()) < 8 * 60
+    limits = {name: int(re.search(r"\s(\d+)s\s", line).group(1)) for name, line in lines.items()}
+    assert sum(limits.values()) + gpu_check.CUDA_PROBE_S + gpu_check.PACKAGING_S <= 8 * 60
+    # Each limit keeps its margin over the step's expected seconds; the 350m bench (two 350m Trainers, warm-up,
+    # 16 timed steps, a refresh) gets the most.
+    for name, limit in limits.items():
+        assert limit >= 1.5 * gpu_check.BUDGET[name][0], name
+    assert max(limits, key=limits.get) == "bench_train_350m" and limits["bench_train_350m"] >= 90
     install = lines["install_wheels"]
     assert "-m pip install --no-index --find-links" in install and str(ROOT / ".gpu_wheels") in install
     assert all(p in install for p in ("deepspeed==0.19.8", "submitit", "nvidia-ml-py"))
@@ -252,3 +258,90 @@ def test_gpu_steps_name_the_cuda_accelerator_for_deepspeed(gpu_check, tmp_path, 
                           needs_cuda=False)
     [outcome] = gpu_check.run_all([step], tmp_path)
     assert outcome.rc == 0 and seen.read_text() == "cuda"
+
+
+def test_limits_over_eight_minutes_are_refused_before_anything_runs(gpu_check, tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setitem(gpu_check.BUDGET, "bench_train_350m", (200, "a slower bench"))
+    monkeypatch.setattr(gpu_check, "run_all", lambda steps, work, outcomes=None: ran.append(steps) or [])
+    for argv in (["--plan", str(tmp_path / "plan")], [str(tmp_path / "out")]):
+        with pytest.raises(ValueError, match=r"step limits: got 6\d\ds in all .*bench_train_350m 300s.*at most 480s"):
+            gpu_check.main(argv)
+    assert ran == []
+
+
+def _only_step(gpu_check, step):
+    return lambda _py, work: [gpu_check.Step("install_wheels", 10, [sys.executable, "-c", "pass"], "ok",
+                                             needs_cuda=False), step]
+
+
+def test_a_hanging_cuda_probe_skips_the_gpu_steps_and_still_packages_everything(gpu_check, tmp_path, monkeypatch):
+    """subprocess.TimeoutExpired from the probe used to end the check with nothing packaged."""
+    monkeypatch.setattr(gpu_check, "CUDA_PROBE", ("import time; time.sleep(30)",))
+    monkeypatch.setattr(gpu_check, "CUDA_PROBE_S", 1)
+    monkeypatch.setattr(gpu_check, "plan", _only_step(gpu_check, gpu_check.Step(
+        "bench_layer", 20, [sys.executable, "-c", "pass"], "needs a GPU")))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out)]) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "gpu_h200.json", "summary.txt"]
+    fig = json.loads((out / "gpu_h200.json").read_text())
+    assert fig["steps"]["bench_layer"]["note"] == "skipped: the CUDA probe timed out after 1s"
+    assert fig["steps"]["install_wheels"]["rc"] == 0
+    assert "skipped: the CUDA probe timed out after 1s" in (out / "summary.txt").read_text()
+
+
+def test_an_error_in_the_orchestrator_or_a_step_that_cannot_start_still_packages_the_steps_that_ran(
+        gpu_check, tmp_path, monkeypatch, capsys):
+    steps = [gpu_check.Step("install_wheels", 10, [sys.executable, "-c", "print('installed')"], "ok",
+                            needs_cuda=False),
+             gpu_check.Step("environment", 10, [str(tmp_path / "no_such_python"), "-c", "pass"], "cannot start",
+                            needs_cuda=False),
+             gpu_check.Step("bench_layer", 10, [sys.executable, "-c", "pass"], "never reached", needs_cuda=False)]
+    monkeypatch.setattr(gpu_check, "plan", lambda _py, work: steps)
+    real_run_step = gpu_check.run_step
+
+    def run_step(step, *args):
+        if step.name == "bench_layer":
+            raise RuntimeError("the orchestrator broke")
+        return real_run_step(step, *args)
+
+    monkeypatch.setattr(gpu_check, "run_step", run_step)
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out)]) == 1
+    fig = json.loads((out / "gpu_h200.json").read_text())
+    assert fig["check_error"] == "RuntimeError: the orchestrator broke"
+    assert fig["steps"]["install_wheels"]["rc"] == 0 and fig["steps"]["environment"]["rc"] == 127
+    assert fig["steps"]["environment"]["note"].startswith("could not start: ")
+    summary = (out / "summary.txt").read_text()
+    assert "check_error = RuntimeError: the orchestrator broke" in summary and re.search(r"^environment\s+127",
+                                                                                         summary, re.M)
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert "installed" in tar.extractfile("gpu_check/install_wheels.log").read().decode()
+        assert "could not start" in tar.extractfile("gpu_check/environment.log").read().decode()
+
+
+def test_a_sigterm_of_the_check_ends_the_running_step_and_still_packages(gpu_check, tmp_path, monkeypatch):
+    child = tmp_path / "child.pid"
+    code = (f"import os, pathlib, signal, time; pathlib.Path({str(child)!r}).write_text(str(os.getpid())); "
+            f"os.kill(os.getppid(), signal.SIGTERM); time.sleep(60)")
+    monkeypatch.setattr(gpu_check, "plan", _only_step(gpu_check, gpu_check.Step(
+        "train_check", 30, [sys.executable, "-c", code], "signals the check", needs_cuda=False)))
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out)]) == 1
+    fig = json.loads((out / "gpu_h200.json").read_text())
+    assert fig["check_error"] == "Terminated: signal 15" and "train_check" not in fig["steps"]
+    pid = int(child.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_gpu_steps_run_with_nccl_debug_warn_unless_the_caller_set_it(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "_cuda_here", lambda env: True)
+    seen = tmp_path / "nccl.txt"
+    probe = [sys.executable, "-c", f"import os, pathlib; pathlib.Path({str(seen)!r})"
+                                   f".write_text(os.environ.get('NCCL_DEBUG', 'unset'))"]
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    for needs_cuda, caller, want in ((True, None, "WARN"), (False, None, "unset"), (True, "INFO", "INFO")):
+        if caller:
+            monkeypatch.setenv("NCCL_DEBUG", caller)
+        [outcome] = gpu_check.run_all([gpu_check.Step("probe", 20, probe, "probe", needs_cuda=needs_cuda)], tmp_path)
+        assert outcome.rc == 0 and seen.read_text() == want, (needs_cuda, caller)

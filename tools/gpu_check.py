@@ -16,6 +16,16 @@ Steps, each a subprocess (and its children) under its own time limit; the limits
   bench_inference   tools/bench_inference.py, 60m and 350m forwards with the 2:4 kernels
   bench_train_60m   tools/bench_train.py, dense AdamW against CHTs 1:4 + TANS (tokens/s ratio, MFU, phases)
   bench_train_350m  the same at 350m
+Time limits (issue 25 item 6): each step's limit is its expected seconds on a cold one-H200 machine times MARGIN,
+rounded up to 5 s (`BUDGET` holds the figures and where each comes from); the limits, the CUDA probe's and
+PACKAGING_S add up to at most 8 minutes, checked before anything runs. Measured on this project's 2-core CPU
+machine under load (2026-12-03): `import torch, deepspeed, submitit` + the Trainer 8.5 s; build_model 60m 2.2 s,
+350m 8.9 s (one thread); `bench_train --model 60m --nproc 1` (tiny batches) 41 s wall, of which 27 s to build and
+start the first Trainer (DeepSpeed init included), 1 s the second, 5 s a refresh. The GPU parts (CUDA context, the
+timed steps) are estimates: no GPU has measured them yet. GPU steps run with NCCL_DEBUG=WARN (unless the caller
+set it), so a NCCL failure says why. Any failure (a step that cannot start, a CUDA probe that hangs, an error in
+the orchestrator, SIGTERM) still packages what is there, with the error in the summary.
+
 Everything a step writes goes to a scratch folder; what comes back is OUTDIR with three files (the run tool returns
 at most 8 files of at most 16 MiB): gpu_check.tar.gz (every step's log and JSON, pytest's junit XML; logs cut to
 their last 2 MiB), summary.txt (the table printed last) and gpu_h200.json (the figures in docs/results/ shape:
@@ -28,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -44,6 +55,28 @@ WHEELS = ROOT / ".gpu_wheels"
 SITE = ROOT / ".gpu_site"
 PACKAGES = ("deepspeed==0.19.8", "submitit", "nvidia-ml-py")
 BUDGET_S = 480                      # the whole call: 8 minutes
+MARGIN = 1.5                        # limit >= 1.5 x the expected seconds
+PACKAGING_S = 10                    # figures, summary and tarball after the last step
+CUDA_PROBE = ("import torch; print(int(torch.cuda.is_available()))",)
+CUDA_PROBE_S = 15                   # import torch + CUDA init (expected ~8 s)
+# step -> (expected seconds on a cold one-H200 machine, where the figure comes from)
+BUDGET: dict[str, tuple[float, str]] = {
+    "install_wheels": (20, "pip install --no-index of ~15 wheels, deepspeed's compiled-free wheel"),
+    "install_target": (12, "the same unpacked with --no-deps; runs only when install_wheels failed"),
+    "environment": (9, "import torch, deepspeed, submitit: 8.5 s measured on CPU"),
+    "pytest_gpu": (30, "pytest start and imports ~10 s, 7 GPU tests on small tensors, first CUDA kernels"),
+    "train_check": (50, "imports 9 + first Trainer 27 (measured) + 30+15 steps of 60m + 3 refreshes + a checkpoint"),
+    "bench_layer": (20, "imports 5 + bf16 layer cases, each a few ms per call"),
+    "bench_inference": (36, "imports 9 + build_model 60m 2.2 s and 350m 8.9 s, dense and sparse, + 2:4 forwards"),
+    "bench_train_60m": (50, "41 s measured on CPU at tiny batches (27 s first Trainer) + CUDA init + 16 steps"),
+    "bench_train_350m": (70, "imports 9 + first Trainer 27 + 2 x 350m build 8.9 (measured) + CUDA init 5 + "
+                             "4 warm-up and 16 timed steps ~10 + a 350m refresh ~5"),
+}
+
+
+def limit_for(name: str) -> int:
+    """The step's limit: expected seconds x MARGIN, rounded up to 5 s."""
+    return 5 * math.ceil(BUDGET[name][0] * MARGIN / 5)
 LOG_TAIL_BYTES = 2 * 1024 * 1024    # each log in the tarball keeps its last 2 MiB
 RATIO_ROWS = "dense_adamw,chtsnm_nobranch_1of4_row"
 CHTS_ROW = "chtsnm_nobranch_1of4_row"
@@ -77,53 +110,74 @@ def plan(py: str, work: Path) -> list[Step]:
     bench_train = [py, "tools/bench_train.py", "--rows", RATIO_ROWS, "--steps", "8", "--warmup", "2",
                    "--micro-batch", "64"]
     return [
-        Step("install_wheels", 45, [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
+        Step("install_wheels", limit_for("install_wheels"), [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
                                     *PACKAGES], "install the carried wheels, no index", needs_cuda=False,
              env=install_env),
-        Step("install_target", 25, [py, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(SITE),
+        Step("install_target", limit_for("install_target"), [py, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(SITE),
                                     *sorted(str(w) for w in WHEELS.glob("*.whl"))],
              "fallback: unpack them into .gpu_site", needs_cuda=False, env=install_env),
-        Step("environment", 15, [py, "-c", "import torch, deepspeed, submitit; print('torch', torch.__version__, "
+        Step("environment", limit_for("environment"), [py, "-c", "import torch, deepspeed, submitit; print('torch', torch.__version__, "
                                            "'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'device', "
                                            "torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"],
              "versions, device, imports", needs_cuda=False),
-        Step("pytest_gpu", 90, [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+        Step("pytest_gpu", limit_for("pytest_gpu"), [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                 f"--junitxml={work / 'pytest_gpu.xml'}", *gpu_files], "GPU-marked tests"),
-        Step("train_check", 90, [py, "tools/gpu_train_check.py", "--out", str(work / "train_check_runs"),
+        Step("train_check", limit_for("train_check"), [py, "tools/gpu_train_check.py", "--out", str(work / "train_check_runs"),
                                  "--json", str(work / "train_check.json"), "--model", "60m", "--steps", "30",
                                  "--save-at", "15", "--refresh-interval", "10", "engine.force_collectives=true"],
              "Trainer on NCCL: refresh, checkpoint, bit-identical resume", json="train_check.json"),
-        Step("bench_layer", 40, [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
+        Step("bench_layer", limit_for("bench_layer"), [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
                                  "--json", str(work / "bench_layer_gpu.json")], "NMSparseLinear vs nn.Linear, bf16",
              json="bench_layer_gpu.json"),
-        Step("bench_inference", 55, [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
+        Step("bench_inference", limit_for("bench_inference"), [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
                                      "--json", str(work / "bench_inference_gpu.json")], "2:4 kernel forwards",
              json="bench_inference_gpu.json"),
-        Step("bench_train_60m", 45, [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
+        Step("bench_train_60m", limit_for("bench_train_60m"), [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 60m", json="bench_train_60m.json"),
-        Step("bench_train_350m", 60, [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
+        Step("bench_train_350m", limit_for("bench_train_350m"), [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 350m", json="bench_train_350m.json"),
     ]
 
 
-def run_step(step: Step, log_path: Path, env: dict[str, str], cuda: bool) -> Outcome:
+def total_limit_s(steps: list[Step]) -> int:
+    """What the check may take at most: every step's limit, the CUDA probe's and the packaging reserve."""
+    return sum(s.limit_s for s in steps) + CUDA_PROBE_S + PACKAGING_S
+
+
+def check_budget(steps: list[Step]) -> None:
+    total = total_limit_s(steps)
+    if total > BUDGET_S:
+        raise ValueError(f"step limits: got {total}s in all ({', '.join(f'{s.name} {s.limit_s}s' for s in steps)}, "
+                         f"CUDA probe {CUDA_PROBE_S}s, packaging {PACKAGING_S}s); allowed: at most {BUDGET_S}s")
+
+
+def run_step(step: Step, log_path: Path, env: dict[str, str], cuda: bool | str) -> Outcome:
     """Run one step in its own session, output to its log; at the limit the whole process group is ended
-    (bench_train's ranks included)."""
-    if step.needs_cuda and not cuda:
-        return Outcome(step.name, None, 0.0, step.limit_s, "skipped: no CUDA device")
+    (bench_train's ranks included). `cuda` is True, or why there is no device."""
+    if step.needs_cuda and cuda is not True:
+        return Outcome(step.name, None, 0.0, step.limit_s, f"skipped: {cuda or 'no CUDA device'}")
     argv = step.argv
+    # NCCL says nothing about why it failed unless asked; a caller's own NCCL_DEBUG wins.
+    gpu_env = {"NCCL_DEBUG": env.get("NCCL_DEBUG", "WARN")} if step.needs_cuda else {}
     start = time.monotonic()
     with open(log_path, "w") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**env, **step.env}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, cwd=ROOT, env={**env, **gpu_env, **step.env}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as err:
+            log.write(f"could not start: {err}\n")
+            return Outcome(step.name, 127, time.monotonic() - start, step.limit_s, f"could not start: {err}")
         try:
             rc = proc.wait(timeout=step.limit_s)
             note = ""
         except subprocess.TimeoutExpired:
             _end_group(proc)
             rc, note = 124, f"timed out after {step.limit_s}s"
+        except BaseException:   # SIGTERM or ^C of the check itself: the step's processes go with it
+            _end_group(proc)
+            raise
     return Outcome(step.name, rc, time.monotonic() - start, step.limit_s, note)
 
 
@@ -140,15 +194,16 @@ def _end_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_all(steps: list[Step], work: Path) -> list[Outcome]:
-    """Every step in order, logs in `work`; whether CUDA is there is asked (after the installs) by the first step
-    that needs it."""
-    cuda: bool | None = None
+def run_all(steps: list[Step], work: Path, outcomes: list[Outcome] | None = None) -> list[Outcome]:
+    """Every step in order, logs in `work`, each outcome appended to `outcomes` as it ends (so that a caller
+    that catches an error still holds the steps that ran); whether CUDA is there is asked (after the installs)
+    by the first step that needs it."""
+    cuda: bool | str | None = None
     # DeepSpeed on the GPU steps' CUDA accelerator, named rather than detected: tests/conftest.py would otherwise
     # default a GPU test that builds DeepSpeed to the CPU accelerator.
     env = {"DS_ACCELERATOR": "cuda", **os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    outcomes = []
+    outcomes = [] if outcomes is None else outcomes
     for step in steps:
         if step.name == "install_target" and outcomes and outcomes[-1].rc == 0:
             outcomes.append(Outcome(step.name, None, 0.0, step.limit_s, "not needed"))
@@ -156,7 +211,7 @@ def run_all(steps: list[Step], work: Path) -> list[Outcome]:
         print(f"== {step.name} (limit {step.limit_s}s): {step.what}", flush=True)
         if step.needs_cuda and cuda is None:
             cuda = _cuda_here(env)
-        outcome = run_step(step, work / f"{step.name}.log", env, bool(cuda))
+        outcome = run_step(step, work / f"{step.name}.log", env, cuda)
         if step.name == "install_target" and outcome.rc == 0:
             env["PYTHONPATH"] = os.pathsep.join([str(SITE), env["PYTHONPATH"]])
         if step.name == "environment" and outcome.rc == 0:
@@ -166,10 +221,18 @@ def run_all(steps: list[Step], work: Path) -> list[Outcome]:
     return outcomes
 
 
-def _cuda_here(env: dict[str, str]) -> bool:
-    out = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    return out.stdout.strip() == "1"
+def _cuda_here(env: dict[str, str]) -> bool | str:
+    """True, or why not: a probe that hangs (a wedged driver) or cannot start ends the GPU steps, not the check."""
+    try:
+        out = subprocess.run([sys.executable, "-c", *CUDA_PROBE], env=env, capture_output=True, text=True,
+                             timeout=CUDA_PROBE_S)
+    except subprocess.TimeoutExpired:
+        return f"the CUDA probe timed out after {CUDA_PROBE_S}s"
+    except OSError as err:
+        return f"the CUDA probe could not start: {err}"
+    if out.returncode != 0:
+        return f"the CUDA probe failed (rc {out.returncode}: {out.stderr.strip()[-200:]})"
+    return out.stdout.strip() == "1" or "no CUDA device"
 
 
 def missing_packages(wheels: Path = WHEELS) -> str | None:
@@ -272,7 +335,7 @@ def figures_or_error(steps: list[Step], outcomes: list[Outcome], work: Path) -> 
     JSON files still come back in the tarball (a GPU check is not rerun lightly)."""
     try:
         return figures(steps, outcomes, work)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as err:
+    except Exception as err:   # whatever the JSON holds, the files still come back
         return {"figures_error": f"{type(err).__name__}: {err} (read the step JSON files in the tarball)",
                 "steps": step_table(outcomes)}
 
@@ -284,7 +347,7 @@ def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
         rc = "-" if o.rc is None else str(o.rc)
         lines.append(f"{o.name:{width}s}  {rc:>4s}  {o.seconds:7.1f}  {o.limit_s:5d}  {o.note}")
     lines.append("")
-    for key in ("figures_error", "chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m",
+    for key in ("check_error", "figures_error", "chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m",
                 "tans_share_of_step_350m", "tans_share_of_step_60m", "resume_bit_identical"):
         if key in fig:
             lines.append(f"{key} = {fig[key]}")
@@ -338,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = Path(tmp)
         steps = plan(sys.executable, work)
-        total = sum(s.limit_s for s in steps)
-        assert total < BUDGET_S, f"step limits add up to {total}s; the check must fit in {BUDGET_S}s"
+        check_budget(steps)
         if args.plan:
             for s in steps:
                 print(f"{s.name:17s} {s.limit_s:4d}s  {' '.join(s.argv)}")
-            print(f"limits add up to {total}s (< {BUDGET_S}s); outputs: {out}/gpu_check.tar.gz, summary.txt, "
+            print(f"limits add up to {total_limit_s(steps)}s with the CUDA probe ({CUDA_PROBE_S}s) and packaging "
+                  f"({PACKAGING_S}s), at most {BUDGET_S}s; outputs: {out}/gpu_check.tar.gz, summary.txt, "
                   f"gpu_h200.json")
             return 0
         refusal = missing_packages()
@@ -352,13 +415,32 @@ def main(argv: list[str] | None = None) -> int:
             (out / "summary.txt").write_text(f"gpu_check: {refusal}\n")
             print(f"gpu_check: {refusal}", file=sys.stderr)
             return 2
-        outcomes = run_all(steps, work)
+        outcomes: list[Outcome] = []
+        error = None
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            run_all(steps, work, outcomes)
+        except (Exception, KeyboardInterrupt, Terminated) as err:   # package what ran, then say why it stopped
+            error = f"{type(err).__name__}: {err}"
+            print(f"gpu_check: stopped: {error}", file=sys.stderr, flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         fig = figures_or_error(steps, outcomes, work)
-        table = summary_table(outcomes, fig)
+        if error:
+            fig = {"check_error": error, **fig}
+        table = summary_table(outcomes, fig) if outcomes else f"check_error = {error}\n"
         (work / "summary.txt").write_text(table)
         package(work, out, table, fig)
     print("== summary\n" + table, flush=True)
-    return 1 if any(failed(o) for o in outcomes) or "figures_error" in fig else 0
+    return 1 if any(failed(o) for o in outcomes) or "figures_error" in fig or error else 0
+
+
+class Terminated(Exception):
+    """SIGTERM (the caller's own time limit): stop stepping, package what is there."""
+
+
+def _terminated(signum: int, _frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
 
 
 if __name__ == "__main__":
