@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
 import queue
 import shutil
@@ -58,6 +57,7 @@ from data_prep.tokenizer import (
     TOKENIZER_TYPES, given_kind, install_given, save_hf_tokenizer, tokenizer_check, tokenizer_facts,
     train_sentencepiece,
 )
+from data_prep.workers import worker_pool
 from distsparse.data.shards import token_dtype
 from distsparse.utils import config_differences
 
@@ -252,7 +252,7 @@ def sample_documents(plan: Plan, train_chars: int, num_check: int, num_proc: int
     jobs = [(str(plan.out), [index], -(-train_chars // len(picked)), -(-num_check // len(picked)), None)
             for index in picked]
     if num_proc > 1:
-        with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
+        with worker_pool(num_proc) as pool:
             samples = pool.starmap(sample_part, jobs)
     else:
         samples = [sample_part(*job) for job in jobs]
@@ -329,8 +329,7 @@ def run_local(plan: Plan, num_proc: int, mine: Callable[[int], bool] = lambda in
             log_progress(plan, records, index)
         return rss
     done: queue.Queue = queue.Queue()
-    # spawn: the workers import only numpy, the readers and the tokenizer; nothing of this process is forked.
-    with multiprocessing.get_context("spawn").Pool(num_proc) as pool:
+    with worker_pool(num_proc) as pool:
         running: set[int] = set()
         while True:
             records = plan.records()

@@ -106,6 +106,64 @@ def test_kill_9_in_the_middle_then_the_same_command_gives_the_files_of_an_uninte
     assert meta["num_parts"] == 8 and len(meta["shards"]["train"]) == 8
 
 
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_kill_9_of_the_launcher_alone_ends_its_workers_and_the_same_command_resumes(tmp_path, tokenizer):
+    """Workers orphaned by a kill of the launcher pid only (not its group) would go on writing `.partial` shards
+    that a restarted preparation writes too: they must follow their launcher within seconds. Parts take several
+    seconds each, so a worker that only notices on its next task (multiprocessing's own EOF on the task pipe)
+    would still be writing when the deadline passes."""
+    _jsonl_files(tmp_path / "src", num_files=4, docs_per_file=50000)
+    source = f"files:{tmp_path / 'src'}/*.jsonl.gz"
+    whole = tmp_path / "whole"
+    subprocess.run(_command(source, whole, tokenizer, "--num-proc", "1"), check=True, cwd=ROOT)
+
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(_command(source, cut, tokenizer, "--num-proc", "2"), cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        # A part of the second wave (2 or 3; 0 and 1 went first) under way: a worker is at the start of a part,
+        # writing its `.partial` shards.
+        while not list((cut / "shards").glob("train-0000[23].bin.partial")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no part finished and another started in 300 s"
+            time.sleep(0.01)
+        workers = _children(proc.pid)
+        assert len(workers) >= 2, workers   # the pool's two workers (and spawn's resource tracker)
+        os.kill(proc.pid, signal.SIGKILL)   # the launcher only
+        proc.wait()
+        killed = time.monotonic()
+        while any(map(_alive, workers)) and time.monotonic() < killed + 1:
+            time.sleep(0.02)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived their launcher by 1 s"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever survived, so the test leaks nothing
+        except ProcessLookupError:
+            pass
+    assert not (cut / "meta.json").exists() and 1 <= len(list((cut / "parts").glob("*.json"))) < 4
+    subprocess.run(_command(source, cut, tokenizer, "--num-proc", "2"), check=True, cwd=ROOT)
+    assert _files(cut) == _files(whole)
+
+
 def test_c4_named_json_gz_files_yield_their_records_as_documents(tmp_path, tokenizer):
     rng = random.Random(2)
     records = [{"text": _text(rng, rng.randint(5, 40)) + "\n" + _text(rng, 8), "timestamp": "2019-04-25T12:57:54Z",
