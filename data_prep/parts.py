@@ -152,6 +152,23 @@ def docs_to_keep(plan: Plan, index: int, record: dict, docs_before: int, tokens_
     return keep
 
 
+def kept_train_tokens(plan: Plan, records: dict[int, dict]) -> int:
+    """Training tokens of the output as far as the finished parts tell: the parts it is made of (`plan.usage`) up
+    to the first unfinished one, the part that meets the budget counted only up to where finalize cuts it."""
+    used, missing = plan.usage(records)
+    docs = tokens = 0
+    for index in used:
+        if index == missing:
+            break
+        record = records[index]
+        keep = docs_to_keep(plan, index, record, docs, tokens)
+        if keep < record["num_docs"]:   # finalize's cut_part: the first `keep` source documents
+            train_docs = int((~val_mask(plan.settings["seed"], index, 0, keep, plan.settings["val_fraction"])).sum())
+            return tokens + int(train_tokens_per_doc(plan, record)[:train_docs].sum())
+        docs, tokens = docs + record["num_docs"], tokens + record["splits"]["train"]["num_tokens"]
+    return tokens
+
+
 def cut_part(plan: Plan, index: int, record: dict, keep: int) -> dict:
     """The part's first `keep` source documents as new `-cut` shards, the record switched to them atomically."""
     assert "cut_from" not in record and keep < record["num_docs"], (index, keep, record["num_docs"])

@@ -49,7 +49,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from data_prep.finalize import finalize, read_meta, remove_unused
-from data_prep.parts import chunks, peak_rss_mb, run_part, val_mask
+from data_prep.parts import chunks, kept_train_tokens, peak_rss_mb, run_part, val_mask
 from data_prep.plan import PLAN_FILE, OutLock, Plan, write_json_atomic
 from data_prep.readers import ERRORS, FORMATS, ReadOptions, TextOptions
 from data_prep.sources import parse_source, part_documents, plan_parts
@@ -309,12 +309,13 @@ def next_part(plan: Plan, records: dict[int, dict], running: set[int],
 
 
 def log_progress(plan: Plan, records: dict[int, dict], index: int) -> None:
-    """One line per finished part: parts done, training tokens so far, and the budget's share when there is one."""
-    tokens = sum(r["splits"]["train"]["num_tokens"] for r in records.values())
+    """One line per finished part: parts done, the training tokens the output keeps so far (after the budget's
+    cut, not what the workers tokenized past it), and the budget's share when there is one."""
+    tokens = kept_train_tokens(plan, records)
     budget = plan.budget.max_tokens
     share = f" ({tokens / budget:.1%} of --max-tokens)" if budget else ""
-    log.info("part %d done (%d of %d parts finished): %s training tokens%s", index, len(records), len(plan.parts),
-             f"{tokens:,}", share)
+    log.info("part %d done (%d of %d parts finished): %s training tokens kept%s", index, len(records),
+             len(plan.parts), f"{tokens:,}", share)
 
 
 def run_local(plan: Plan, num_proc: int, mine: Callable[[int], bool] = lambda index: True) -> list[float]:

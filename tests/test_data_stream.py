@@ -4,8 +4,10 @@ within one document; formats; the Megatron index; a preparation of other setting
 
 import gzip
 import json
+import logging
 import os
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -208,6 +210,33 @@ def test_max_tokens_stops_within_one_document_of_n_reading_only_a_prefix(tmp_pat
     docs = prepare(PrepConfig(source=f"files:{tmp_path / 'src'}/*.jsonl.gz", out=tmp_path / "docs",
                               tokenizer=tokenizer, seq_len=16, max_docs=555, num_proc=2))
     assert docs["num_docs"]["train"] + docs["num_docs"]["val"] == 555 and docs["num_parts"] == 2
+
+
+def _progress_tokens(caplog) -> list[int]:
+    return [int(m.group(1).replace(",", "")) for r in caplog.records
+            if (m := re.search(r"parts finished\): ([\d,]+) training tokens kept", r.getMessage()))]
+
+
+@pytest.mark.parametrize("budget, num_proc", [({"max_tokens": 9_000}, 1), ({"max_tokens": 9_000}, 2),
+                                              ({"max_docs": 555}, 2), ({}, 2)], ids=str)
+def test_the_progress_line_counts_the_training_tokens_the_output_keeps(tmp_path, tokenizer, caplog, budget,
+                                                                      num_proc):
+    """Not the tokens the workers wrote past the budget: a part stops a chunk after it, parts already running
+    finish, and finalize cuts them away; the last line gives meta.json's training tokens."""
+    _jsonl_files(tmp_path / "src", num_files=6, docs_per_file=400)
+    report = tmp_path / "report.json"
+    with caplog.at_level(logging.INFO, logger="data_prep.prepare"):
+        meta = prepare(PrepConfig(source=f"files:{tmp_path / 'src'}/*.jsonl.gz", out=tmp_path / "out",
+                                  tokenizer=tokenizer, seq_len=16, val_fraction=0.1, num_proc=num_proc,
+                                  report=report, **budget))
+    lines = _progress_tokens(caplog)
+    assert len(lines) == json.loads(report.read_text())["parts_run"]   # one line per finished part
+    assert lines and lines[-1] == meta["num_tokens"]["train"]
+    assert lines == sorted(lines)   # tokens kept only grow
+    if "max_tokens" in budget:
+        last_share = float(re.findall(r"\(([\d.]+)% of --max-tokens\)", caplog.text)[-1])
+        assert last_share == pytest.approx(100 * meta["num_tokens"]["train"] / budget["max_tokens"], abs=0.06)
+        assert last_share >= 100
 
 
 def test_max_tokens_streams_an_hf_dataset_folder_reading_within_one_chunk_of_n(tmp_path, tokenizer, monkeypatch):
