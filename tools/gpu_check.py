@@ -102,6 +102,11 @@ class Outcome:
     note: str = ""
 
 
+def budgeted(name: str, argv: list[str], what: str, **kwargs: Any) -> Step:
+    """A step whose limit comes from BUDGET."""
+    return Step(name, limit_for(name), argv, what, **kwargs)
+
+
 def plan(py: str, work: Path) -> list[Step]:
     """The steps of a full check, in order (install_target runs only when install_wheels fails)."""
     gpu_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
@@ -110,31 +115,31 @@ def plan(py: str, work: Path) -> list[Step]:
     bench_train = [py, "tools/bench_train.py", "--rows", RATIO_ROWS, "--steps", "8", "--warmup", "2",
                    "--micro-batch", "64"]
     return [
-        Step("install_wheels", limit_for("install_wheels"), [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
+        budgeted("install_wheels", [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
                                     *PACKAGES], "install the carried wheels, no index", needs_cuda=False,
              env=install_env),
-        Step("install_target", limit_for("install_target"), [py, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(SITE),
+        budgeted("install_target", [py, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(SITE),
                                     *sorted(str(w) for w in WHEELS.glob("*.whl"))],
              "fallback: unpack them into .gpu_site", needs_cuda=False, env=install_env),
-        Step("environment", limit_for("environment"), [py, "-c", "import torch, deepspeed, submitit; print('torch', torch.__version__, "
+        budgeted("environment", [py, "-c", "import torch, deepspeed, submitit; print('torch', torch.__version__, "
                                            "'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'device', "
                                            "torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"],
              "versions, device, imports", needs_cuda=False),
-        Step("pytest_gpu", limit_for("pytest_gpu"), [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+        budgeted("pytest_gpu", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
                                 f"--junitxml={work / 'pytest_gpu.xml'}", *gpu_files], "GPU-marked tests"),
-        Step("train_check", limit_for("train_check"), [py, "tools/gpu_train_check.py", "--out", str(work / "train_check_runs"),
+        budgeted("train_check", [py, "tools/gpu_train_check.py", "--out", str(work / "train_check_runs"),
                                  "--json", str(work / "train_check.json"), "--model", "60m", "--steps", "30",
                                  "--save-at", "15", "--refresh-interval", "10", "engine.force_collectives=true"],
              "Trainer on NCCL: refresh, checkpoint, bit-identical resume", json="train_check.json"),
-        Step("bench_layer", limit_for("bench_layer"), [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
+        budgeted("bench_layer", [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
                                  "--json", str(work / "bench_layer_gpu.json")], "NMSparseLinear vs nn.Linear, bf16",
              json="bench_layer_gpu.json"),
-        Step("bench_inference", limit_for("bench_inference"), [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
+        budgeted("bench_inference", [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
                                      "--json", str(work / "bench_inference_gpu.json")], "2:4 kernel forwards",
              json="bench_inference_gpu.json"),
-        Step("bench_train_60m", limit_for("bench_train_60m"), [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
+        budgeted("bench_train_60m", [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 60m", json="bench_train_60m.json"),
-        Step("bench_train_350m", limit_for("bench_train_350m"), [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
+        budgeted("bench_train_350m", [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 350m", json="bench_train_350m.json"),
     ]
 
@@ -347,7 +352,8 @@ def summary_table(outcomes: list[Outcome], fig: dict[str, Any]) -> str:
         rc = "-" if o.rc is None else str(o.rc)
         lines.append(f"{o.name:{width}s}  {rc:>4s}  {o.seconds:7.1f}  {o.limit_s:5d}  {o.note}")
     lines.append("")
-    for key in ("check_error", "figures_error", "chts_1of4_tans_over_dense_adamw", "chts_1of4_tans_over_dense_adamw_60m",
+    for key in ("check_error", "figures_error", "chts_1of4_tans_over_dense_adamw",
+                "chts_1of4_tans_over_dense_adamw_60m",
                 "tans_share_of_step_350m", "tans_share_of_step_60m", "resume_bit_identical"):
         if key in fig:
             lines.append(f"{key} = {fig[key]}")
