@@ -7,12 +7,15 @@
 
 On CUDA a mark records an event on the current stream (no sync) and `read` waits for the last one: a logging step's
 one extra sync. Elsewhere a mark reads `perf_counter` (CPU ops run as they are dispatched). Disabled, a mark is one
-attribute test: no event, no clock read, no sync.
+attribute test: no event, no clock read, no sync. `use_clock(fn)` measures with another monotone counter for a
+while (tools/bench_train.py: the OpCounter's op count, i.e. aten ops per phase).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -23,9 +26,24 @@ class StepTimer:
     def __init__(self, device: torch.device | str = "cpu"):
         self.cuda = torch.device(device).type == "cuda"
         self.enabled = False
+        self.clock: Callable[[], float] | None = None   # None: CUDA events or perf_counter
         self._points: list[tuple[str | None, object]] = []
 
+    @contextmanager
+    def use_clock(self, clock: Callable[[], float]) -> Iterator[None]:
+        """Measure with `clock` (a monotone counter) instead of time inside the block."""
+        self.clock = clock
+        try:
+            yield
+        finally:
+            self.clock = None
+
+    def _events(self) -> bool:
+        return self.cuda and self.clock is None
+
     def _now(self):
+        if self.clock is not None:
+            return self.clock()
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -51,11 +69,12 @@ class StepTimer:
             return {}
         self.enabled = False
         out = {f"time/{phase}": 0.0 for phase in PHASES}
-        if self.cuda:
+        events = self._events()
+        if events:
             self._points[-1][1].synchronize()
         for (_, begin), (phase, end) in zip(self._points, self._points[1:]):
             if phase is not None:
-                out[f"time/{phase}"] += begin.elapsed_time(end) / 1000.0 if self.cuda else end - begin
+                out[f"time/{phase}"] += begin.elapsed_time(end) / 1000.0 if events else end - begin
         return out
 
 

@@ -95,8 +95,8 @@ def _steady_syncs(rank, world_size, data_dir, out_dir, grad_accum):
     trainer = Trainer(cfg, build_ds_config(ROOT / "configs/ds/zero2.json", cfg))
     for _ in range(WARM):   # lazy optimizer state and DeepSpeed's first-step bookkeeping
         trainer.step_once()
-    # Host tensors on every device: torch AdamW's step counters (capturable off) and the norm handed to DeepSpeed.
-    host = [trainer.joint.dense.host_norm] + [s["step"] for s in trainer.engine.optimizer.optimizer.state.values()]
+    host = trainer.host_tensors()   # torch AdamW's step counters and the norm handed to DeepSpeed
+    assert len(host) > 1
     with OpCounter(host_tensors=host) as counter:
         for _ in range(COUNTED):
             report = trainer.step_once()

@@ -142,10 +142,11 @@ class Trainer:
         """Optimizer step `taken` (1-based) logs: the norm, the rule's statistics and the phase times."""
         return taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
 
-    def step_once(self) -> StepReport:
+    def step_once(self, timed: bool | None = None) -> StepReport:
         """One full optimizer step: this step's inputs (prefetched), `train_step`, the next step's inputs started;
-        advances `self.step`. The report carries the phase times on logging steps (`timings`, step_timer.py)."""
-        self.timer.start(self.is_logging_step(self.step + 1))
+        advances `self.step`. The report carries the phase times (`timings`, step_timer.py) on logging steps, or
+        as `timed` says (benchmarks: times without the logging step's statistics)."""
+        self.timer.start(self.is_logging_step(self.step + 1) if timed is None else timed)
         batches = self.inputs.next()
         self.timer.mark("data")
         self.train_step(batches)
@@ -155,6 +156,12 @@ class Trainer:
         self.step += 1
         self.report.timings = self.timer.read()
         return self.report
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Tensors that stay on the host on every device, whose scalar reads wait for no device (OpCounter's
+        `host_tensors`): the norm handed to DeepSpeed and torch Adam's step counters (capturable off)."""
+        state = self.engine.optimizer.optimizer.state.values()
+        return [self.joint.dense.host_norm] + [s["step"] for s in state if torch.is_tensor(s.get("step"))]
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`).
