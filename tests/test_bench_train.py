@@ -66,9 +66,29 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
         assert payload["host_syncs_per_step"][row] <= 1, payload["counts_by_rank"][0][row]["sync_ops"]
     assert len({payload["ops_per_fwd_bwd"][row] for row in SPARSE}) == 1
     assert len({payload["ops_per_fwd_bwd"][row] for row in ROWS - SPARSE}) == 1
+    # A second code path: the bare model's forward + backward in this process, without DeepSpeed's engine and the
+    # backbone's gradient hooks (which add ops, not remove them).
+    for row in ("dense_adamw", "chtsnm_nobranch_1of4_row"):
+        bare = _bare_fwd_bwd_ops(row)
+        assert bare <= payload["ops_per_fwd_bwd"][row] <= 1.5 * bare, (row, bare, payload["ops_per_fwd_bwd"][row])
     if payload["machine"]["gpu"] is None:
         assert set(payload["mfu"].values()) == {None} and "skipped" in payload["joules_per_token"]
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("CHTs 2:4 + TANS"), "the table is last"
+
+
+def _bare_fwd_bwd_ops(method: str) -> int:
+    import torch
+    from distsparse.config import load_config
+    from distsparse.models import build_model
+    from distsparse.models.causal_attention import use_causal_sdpa
+    from distsparse.op_count import OpCounter
+    cfg = load_config(None, ["model.preset=tiny", f"method.preset={method}", "train.dtype=fp32"])
+    model = build_model(cfg.model, cfg.method, VOCAB, 0)
+    use_causal_sdpa(model)   # as the Trainer runs it
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with OpCounter() as counter:
+        model(input_ids=x, labels=x).loss.backward()
+    return counter.counts.ops
 
 
 def _rec(step, forward=0.1, backward=0.2, partner="m", rnd=0, refresh=0.0, joules=None):
