@@ -22,7 +22,9 @@ The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in 
 engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
 The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
 (topology_policy.refresh_metrics), logging steps the update rule's statistics (rule_metrics.py: one host read, one
-collective; TANS's `tans/{projection}/...`).
+collective; TANS's `tans/{projection}/...`). A timed step (the trainer's logging steps) marks the phase boundaries on
+`timer` (distsparse/step_timer.py: reduce = phases 1-2, dense_step, then the engine's backbone_step, refresh, gather);
+an untimed one pays nothing for it.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.optim.engine import MatrixEngine
+from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.train.deepspeed_side import DeepSpeedSide
 from distsparse.train.method_hooks import HookSet, MethodHooks
 from distsparse.train.rule_metrics import rule_metrics
-from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
 
 log = logging.getLogger("distsparse")
