@@ -20,6 +20,10 @@ What it counts:
           CPU tensor (it reads memory without an aten op; of a device tensor it shows as the copy to the CPU), and
           Python numbers that never were tensors (host counters), which is what code meant to run without syncs
           should hold.
+Host tensors: a CPU tensor that stays on the host on every device (torch Adam's step counters, the norm the joint
+step hands DeepSpeed) reads like a device tensor on a CPU run, though on a GPU its `.item()` waits for nothing.
+Name such tensors in `host_tensors`: they, and what ops compute from them alone (DeepSpeed's `bool(~isfinite(norm)
+.any())`), are host tensors whose scalar reads are not counted as syncs (still as ops).
 A counter inside another (or inside FakeTensorMode) counts what reaches it. Nested calls made by a kernel itself
 are not seen: the mode is off while one of its ops runs, as it is while the device runs it.
 """
@@ -27,9 +31,12 @@ are not seen: the mode is off while one of its ops runs, as it is while the devi
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = frozenset({
@@ -67,9 +74,19 @@ def _is_device_to_host_copy(name: str, args, kwargs) -> bool:
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops, views and host syncs dispatched while active; the totals are in `counts`."""
 
-    def __init__(self):
+    def __init__(self, host_tensors: Iterable[torch.Tensor] = ()):
         super().__init__()
         self.counts = OpCounts()
+        self._host: dict[int, weakref.ref] = {}   # id -> the tensor (a weak reference: ids are reused)
+        for t in host_tensors:
+            self._add_host(t)
+
+    def _add_host(self, t: torch.Tensor) -> None:
+        self._host[id(t)] = weakref.ref(t)
+
+    def _is_host(self, t) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -79,10 +96,18 @@ class OpCounter(TorchDispatchMode):
         c.by_op[str(func)] += 1
         if func.is_view:
             c.views += 1
-        if name in SYNC_OPS or _is_device_to_host_copy(name, args, kwargs):
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        from_host = bool(self._host) and bool(tensors) and all(self._is_host(t) for t in tensors)
+        host_read = name == "_local_scalar_dense" and from_host
+        if (name in SYNC_OPS or _is_device_to_host_copy(name, args, kwargs)) and not host_read:
             c.syncs += 1
             c.sync_ops[name] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if from_host:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._add_host(t)
+        return out
 
 
 def count_ops(fn, *args, **kwargs) -> tuple[OpCounts, object]:

@@ -41,6 +41,13 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
     for row, ph in payload["phases_s"].items():
         assert all(math.isfinite(v) and v >= 0 for v in ph.values()), row
         assert ph["forward"] > 0 and ph["backward"] > 0 and ph["step"] > ph["forward"] + ph["backward"] - 1e-9
+        # From the step's report: the boundary is its four phases. A row's median over its 2 timed steps is their
+        # mean, linear in the phases; the reference's is over the 10 steps paired with every row.
+        boundary = ph["reduce"] + ph["dense_step"] + ph["backbone_step"] + ph["gather"]
+        assert ph["optimizer"] > 0
+        if row != "dense_adamw":
+            assert ph["optimizer"] == pytest.approx(boundary)
+        assert ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"] <= ph["step"] + 1e-6
         if row in SPARSE:
             assert ph["refresh_step"] > 0 and ph["refresh"] == pytest.approx(ph["refresh_step"] / 100)
             assert payload["config"]["update_interval"][row] == 100
@@ -49,15 +56,45 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
         assert payload["tokens_per_s"][row] == pytest.approx(TOKENS / (ph["step"] + ph["refresh"]))
         assert payload["achieved_tflops"][row] == pytest.approx(
             payload["config"]["flops_per_step"] / (ph["step"] + ph["refresh"]) / 1e12)
+    # Counts of one steady step per row: the rank that dispatched most; the same model has the same forward+backward.
+    for key in ("ops_per_step", "ops_per_fwd_bwd", "host_syncs_per_step"):
+        assert set(payload[key]) == ROWS
+        for row in ROWS:
+            assert payload[key][row] == max(rank[row][key] for rank in payload["counts_by_rank"]), (key, row)
+    for row in ROWS:
+        assert payload["ops_per_step"][row] > payload["ops_per_fwd_bwd"][row] > 100
+        assert payload["host_syncs_per_step"][row] <= 1, payload["counts_by_rank"][0][row]["sync_ops"]
+    assert len({payload["ops_per_fwd_bwd"][row] for row in SPARSE}) == 1
+    assert len({payload["ops_per_fwd_bwd"][row] for row in ROWS - SPARSE}) == 1
+    # A second code path: the bare model's forward + backward in this process, without DeepSpeed's engine and the
+    # backbone's gradient hooks (which add ops, not remove them).
+    for row in ("dense_adamw", "chtsnm_nobranch_1of4_row"):
+        bare = _bare_fwd_bwd_ops(row)
+        assert bare <= payload["ops_per_fwd_bwd"][row] <= 1.5 * bare, (row, bare, payload["ops_per_fwd_bwd"][row])
     if payload["machine"]["gpu"] is None:
         assert set(payload["mfu"].values()) == {None} and "skipped" in payload["joules_per_token"]
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("CHTs 2:4 + TANS"), "the table is last"
 
 
+def _bare_fwd_bwd_ops(method: str) -> int:
+    import torch
+    from distsparse.config import load_config
+    from distsparse.models import build_model
+    from distsparse.models.causal_attention import use_causal_sdpa
+    from distsparse.op_count import OpCounter
+    cfg = load_config(None, ["model.preset=tiny", f"method.preset={method}", "train.dtype=fp32"])
+    model = build_model(cfg.model, cfg.method, VOCAB, 0)
+    use_causal_sdpa(model)   # as the Trainer runs it
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with OpCounter() as counter:
+        model(input_ids=x, labels=x).loss.backward()
+    return counter.counts.ops
+
+
 def _rec(step, forward=0.1, backward=0.2, partner="m", rnd=0, refresh=0.0, joules=None):
-    return {"forward": forward, "backward": backward, "optimizer": step - forward - backward - refresh,
-            "dense_step": 0.01, "backbone_reduce": 0.0, "backbone_step": 0.02, "refresh": refresh, "step": step,
-            "joules": joules, "partner": partner, "round": rnd}
+    return {"data": 0.001, "forward": forward, "backward": backward, "optimizer": step - forward - backward - refresh,
+            "reduce": 0.0, "dense_step": 0.01, "backbone_step": 0.02, "gather": 0.0, "refresh": refresh,
+            "step": step, "joules": joules, "partner": partner, "round": rnd}
 
 
 def test_summary_keeps_the_slower_rank_and_pairs_each_round_with_its_reference_step(bench):
@@ -96,3 +133,10 @@ def test_joules_are_summed_over_ranks_and_divided_by_the_tokens_of_a_step(bench)
 
     assert run(30.0, 20.0) == pytest.approx(50.0 / 500)
     assert run(30.0, None) is None
+
+
+def test_counts_keep_the_rank_that_dispatched_most_per_row_and_key(bench):
+    def rank(ops, fwd_bwd, syncs):
+        return {"counts": {"m": {"ops_per_step": ops, "ops_per_fwd_bwd": fwd_bwd, "host_syncs_per_step": syncs}}}
+    got = bench.combine_counts([rank(900, 600, 0), rank(1200, 500, 1)])
+    assert got == {"m": {"ops_per_step": 1200, "ops_per_fwd_bwd": 600, "host_syncs_per_step": 1}}

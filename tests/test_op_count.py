@@ -72,3 +72,14 @@ def test_counts_on_the_meta_device_equal_the_cpu_counts():
     cpu = _steady_step(_engine("chtsnm_nobranch_1of4_row", 2, rule_args={"ramp_steps": 0}))
     meta = _steady_step(_engine("chtsnm_nobranch_1of4_row", 2, "meta", {"ramp_steps": 0}))
     assert meta.by_op == cpu.by_op and meta.ops > 100
+
+
+def test_scalar_reads_of_named_host_tensors_and_of_what_they_alone_compute_are_ops_but_not_syncs():
+    host, other = torch.zeros(3), torch.ones(())
+    with OpCounter(host_tensors=[host]) as counter:
+        host[1].item()                          # a view of a host tensor
+        bool((~torch.isfinite(host)).any())     # computed from host tensors alone
+        (host.sum() + other).item()             # mixed with another tensor: a sync
+        other.item()
+    assert counter.counts.syncs == 2 and counter.counts.sync_ops == {"_local_scalar_dense": 2}
+    assert counter.counts.by_op["aten._local_scalar_dense.default"] == 4

@@ -8,18 +8,22 @@ forward, backward, optimizer and refresh, and tokens/s, for
 in one run: 2 ranks (spawned here; gloo with one OpenMP thread each on CPU, NCCL with one GPU each on GPUs),
 micro-batch 8 x 256 tokens per rank, vocab 32000 on a synthetic token stream (speed does not depend on the text).
 
-How it times. Each rank builds the real `Trainer` (distsparse/train/trainer.py), which steps through its
-`JointOptimizer` (distsparse/train/joint_step.py), and wraps the pieces that object calls from the outside:
-`engine.forward`, `engine.backward`, `engine.step` (DeepSpeed's dense-side step), `matrix.reduce_gradients` and
-`matrix.step` (the backbone step, refresh included when one runs); `train_step` as a whole is the step.
+How it times. Each rank builds the real `Trainer` (distsparse/train/trainer.py) and runs `Trainer.step_once()`;
+the phases are the step's own report (`StepReport.timings`, distsparse/step_timer.py: CUDA events on GPUs,
+perf_counter on CPU, marked by the trainer, the joint step and the engine at their phase boundaries); the step is
+its wall time between two device syncs.
+  data       this step's prefetched inputs and the next step's collation (train/step_inputs.py)
   forward    engine.forward (model + loss)
-  backward   engine.backward (autograd, backbone gradient hooks, DeepSpeed's ZeRO-2 gradient reduction)
-  optimizer  step - forward - backward - refresh: everything at the accumulation boundary (backbone reduce-scatter
-             wait, the step's one scalar all-reduce, DeepSpeed step with the joint norm, backbone rule step, value
-             all-gather)
-  refresh    the topology refresh (`matrix.last_refresh_seconds`: owners' refresh plus the code all-gather), timed
-             on one forced refresh step at the midpoint of the refresh period (zeta_t = zeta0 / 2, its mean over
-             [0, T_end]) and amortized over the method's update_interval (100)
+  backward   the joint backward (autograd, backbone gradient hooks, DeepSpeed's ZeRO-2 gradient reduction)
+  optimizer  reduce + dense_step + backbone_step + gather: the accumulation boundary (backbone reduce-scatter wait
+             and the step's one scalar all-reduce, DeepSpeed's step with the joint norm, the backbone rule step,
+             the value all-gather)
+  refresh    the topology refresh (owners' refresh plus the code all-gather), timed on one refresh step at the
+             midpoint of the refresh period (zeta_t = zeta0 / 2, its mean over [0, T_end]) and amortized over the
+             method's update_interval (100)
+Counts (issue 25 item 5): after warmup every row runs one steady step under `distsparse.op_count.OpCounter`:
+`ops_per_step` (aten ops of the whole optimizer step), `ops_per_fwd_bwd` (of one forward + backward, grad_accum 1)
+and `host_syncs_per_step`; per row the rank that dispatched most. On a GPU each op is at least one launch.
 Per step, the phases of the slower rank are kept; each row reports medians over its timed steps.
 Pairing: the machine is noisy, so the dense AdamW trainer stays alive and every other method's timed steps
 alternate with dense AdamW steps (order alternating per round). A row's ratio to dense AdamW is the median over
@@ -78,14 +82,9 @@ TARGET = 0.70                      # issue 9, on CPU (0.75 aimed at on a GPU)
 VOCAB = 32000
 QUICK_VOCAB = 512                  # the smoke run checks keys; a full-size LM head only slows it down
 TOTAL_STEPS = 10000                # the schedules' horizon (lr, T_end); only the refresh step's zeta_t depends on it
-MEDIAN_KEYS = ("forward", "backward", "optimizer", "dense_step", "backbone_reduce", "backbone_step", "step")
-WRAPPED = {   # phase -> (trainer attribute, method) timed from the outside
-    "forward": ("engine", "forward"),
-    "backward": ("engine", "backward"),
-    "dense_step": ("engine", "step"),
-    "backbone_reduce": ("matrix", "reduce_gradients"),
-    "backbone_step": ("matrix", "step"),
-}
+BOUNDARY = ("reduce", "dense_step", "backbone_step", "gather")   # the accumulation boundary but the refresh
+MEDIAN_KEYS = ("data", "forward", "backward", *BOUNDARY, "optimizer", "step")
+COUNT_KEYS = ("ops_per_step", "ops_per_fwd_bwd", "host_syncs_per_step")
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # bf16 dense, per GPU (vendor data sheets)
 
 
@@ -187,55 +186,37 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-# ---- per rank: timing the trainer's pieces ---------------------------------------------------------------------
+# ---- per rank: the trainer's own step reports ------------------------------------------------------------------
 
-class PhaseTimer:
-    """Wraps a Trainer's engine/matrix methods (instance attributes shadow the class methods) and times one
-    `train_step` at a time; `sync` (torch.cuda.synchronize on GPUs) brackets every timed call."""
+def timed_step(trainer, sync: Callable[[], None], energy: Callable[[], float] | None) -> dict[str, float]:
+    """One optimizer step through `Trainer.step_once`, its phases from the step's own report (StepReport.timings:
+    CUDA events on GPUs, perf_counter on CPU); `sync` brackets the step's wall time."""
+    joules = energy() if energy else 0.0
+    sync()
+    t0 = time.perf_counter()
+    report = trainer.step_once(timed=True)
+    sync()
+    step_s = time.perf_counter() - t0
+    out = {key.split("/", 1)[1]: value for key, value in report.timings.items()}
+    out["optimizer"] = sum(out[k] for k in BOUNDARY)
+    out["step"] = step_s
+    out["joules"] = (energy() - joules) if energy else None
+    out["refreshed"] = any(k.startswith("topology/") for k in report.metrics)
+    return out
 
-    def __init__(self, trainer, sync: Callable[[], None], energy: Callable[[], float] | None):
-        from distsparse.data import collate
 
-        self.trainer, self.sync, self.energy = trainer, sync, energy
-        self.collate = collate
-        self.batches = iter(trainer.sampler)
-        self.current: dict[str, float] = {}
-        for phase, (owner, attr) in WRAPPED.items():
-            obj = getattr(trainer, owner)
-            setattr(obj, attr, self._timed(phase, getattr(obj, attr)))
+def counted_step(trainer) -> dict[str, Any]:
+    """One optimizer step under an OpCounter: aten ops of the step and per phase (the step timer's clock is the op
+    count), and host syncs (host tensors, e.g. torch Adam's step counters, excluded: op_count.py)."""
+    from distsparse.op_count import OpCounter
 
-    def _timed(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            self.sync()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.sync()
-            self.current[phase] += time.perf_counter() - t0
-            return out
-        return timed
-
-    def step(self, refresh: bool = False) -> dict[str, float]:
-        """One optimizer step; with `refresh`, the topology refresh runs in it (and only then)."""
-        t = self.trainer
-        batch = self.collate(t.train_data, next(self.batches))
-        self.current = dict.fromkeys(WRAPPED, 0.0)
-        t.topology.due = lambda step: refresh   # the timed steps never refresh by accident
-        joules = self.energy() if self.energy else 0.0
-        self.sync()
-        t0 = time.perf_counter()
-        t.train_step([batch])
-        self.sync()
-        step_s = time.perf_counter() - t0
-        joules = (self.energy() - joules) if self.energy else None
-        t.step += 1
-        del t.topology.due
-        out = dict(self.current)
-        out["refresh"] = t.matrix.last_refresh_seconds if refresh else 0.0
-        out["backbone_step"] -= out["refresh"]
-        out["step"] = step_s
-        out["optimizer"] = step_s - out["forward"] - out["backward"] - out["refresh"]
-        out["joules"] = joules
-        return out
+    with OpCounter(host_tensors=trainer.host_tensors()) as counter, \
+            trainer.timer.use_clock(lambda: counter.counts.ops):
+        report = trainer.step_once(timed=True)
+    by_phase = {key.split("/", 1)[1]: int(value) for key, value in report.timings.items()}
+    return {"ops_per_step": counter.counts.ops, "ops_per_fwd_bwd": by_phase["forward"] + by_phase["backward"],
+            "host_syncs_per_step": counter.counts.syncs, "sync_ops": dict(counter.counts.sync_ops),
+            "ops_by_phase": by_phase}
 
 
 def _energy_reader(rank: int) -> tuple[Callable[[], float] | None, str | None]:
@@ -287,16 +268,21 @@ def _rank_main(rank: int, world_size: int, args: dict, data_dir: str, out_root: 
         # torch's AdamW on the dense side on every device: DeepSpeed's FusedAdam would first JIT-build its CUDA op
         # (minutes), and the dense side is the same in every row, so its kernel does not move the ratios.
         ds_config["optimizer"]["params"]["torch_adam"] = True
-        trainer = Trainer(cfg, ds_config)
-        return trainer, PhaseTimer(trainer, sync, energy)
+        return Trainer(cfg, ds_config)
 
-    def warm(timer: PhaseTimer) -> None:
+    def step(trainer) -> dict[str, float]:
+        out = timed_step(trainer, sync, energy)
+        assert not out.pop("refreshed"), "a timed step refreshed: the timed steps must stay below update_interval"
+        return out
+
+    def warm(trainer) -> dict[str, Any]:
         for _ in range(args["warmup"]):
-            timer.step()
+            trainer.step_once(timed=False)
+        return counted_step(trainer)   # one steady step, counted (not timed)
 
     log(f"{REFERENCE}: building and warming up")
-    reference, ref_timer = build(REFERENCE)
-    warm(ref_timer)
+    reference = build(REFERENCE)
+    counts_by_row = {REFERENCE: warm(reference)}
     model_cfg = reference.cfg.model
     counts = parameter_counts(reference.model)
     flops = dense_equivalent_flops(counts["backbone_dense_equivalent"] + args["vocab"] * model_cfg.hidden_size,
@@ -310,30 +296,31 @@ def _rank_main(rank: int, world_size: int, args: dict, data_dir: str, out_root: 
         if method == REFERENCE:
             continue
         log(f"{method}: building and warming up")
-        trainer, timer = build(method)
-        warm(timer)
+        trainer = build(method)
+        counts_by_row[method] = warm(trainer)
         topo = trainer.cfg.method.topology
         intervals[method] = topo.update_interval if topo.enabled else None
         log(f"{method}: {args['steps']} timed rounds paired with {REFERENCE}")
         for r in range(args["steps"]):
-            pair = [(REFERENCE, ref_timer), (method, timer)]
+            pair = [(REFERENCE, reference), (method, trainer)]
             for name, t in (pair if r % 2 == 0 else pair[::-1]):
-                steps[name].append({"partner": method, "round": r, **t.step()})
+                steps[name].append({"partner": method, "round": r, **step(t)})
         if topo.enabled:
             # Midpoint of the refresh period: the refresh step nearest T_end / 2.
             t_end = trainer.topology.t_end
             trainer.step = max(topo.update_interval, round(t_end / 2 / topo.update_interval) * topo.update_interval) - 1
             log(f"{method}: one refresh step (step {trainer.step + 1}, T_end {t_end})")
-            refresh[method] = timer.step(refresh=True)
+            refresh[method] = timed_step(trainer, sync, energy)
+            assert refresh[method].pop("refreshed"), f"{method}: step {trainer.step} did not refresh"
         else:
             refresh[method] = None
         trainer.close()
-        del trainer, timer
+        del trainer
         gc.collect()
     reference.close()
     log("done")
     return {"steps": steps, "refresh": refresh, "intervals": intervals, "flops_per_step": flops,
-            "parameter_counts": counts, "energy_skipped": energy_skipped}
+            "parameter_counts": counts, "energy_skipped": energy_skipped, "counts": counts_by_row}
 
 
 # ---- combining the ranks ---------------------------------------------------------------------------------------
@@ -343,6 +330,12 @@ def slowest_rank(records: list[dict]) -> dict:
     slowest = max(records, key=lambda rec: rec["step"])
     joules = [rec.get("joules") for rec in records]
     return {**slowest, "joules": sum(joules) if all(j is not None for j in joules) else None}
+
+
+def combine_counts(per_rank: list[dict]) -> dict[str, dict[str, int]]:
+    """Per row, each count of COUNT_KEYS of the rank that dispatched most (the launch-bound rank sets the step)."""
+    rows = per_rank[0]["counts"]
+    return {m: {key: max(rk["counts"][m][key] for rk in per_rank) for key in COUNT_KEYS} for m in rows}
 
 
 def summarize(per_rank: list[dict], tokens_per_step: int) -> dict[str, Any]:
@@ -400,6 +393,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
         data_dir = write_synthetic_data(Path(tmp) / "data", args.vocab, (num_sequences + 1) * args.seq_len)
         per_rank = runner(_rank_main, args.nproc, rank_args, data_dir, str(Path(tmp) / "runs"))
     rows = summarize(per_rank, tokens_per_step)
+    counts = combine_counts(per_rank)
     flops = per_rank[0]["flops_per_step"]
     peak, mfu_note = _peak_flops()
     energy_skipped = per_rank[0]["energy_skipped"]
@@ -409,6 +403,8 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
         "over_dense_adamw": {m: r["over_dense_adamw"] for m, r in rows.items()},
         "phases_s": {m: r["phases_s"] for m, r in rows.items()},
         "dense_adamw_step_s_paired": {m: r["reference_step_s"] for m, r in rows.items()},
+        **{key: {m: c[key] for m, c in counts.items()} for key in COUNT_KEYS},
+        "counts_by_rank": [rk["counts"] for rk in per_rank],
         "achieved_tflops": {m: flops / r["effective_step_s"] / 1e12 for m, r in rows.items()},
         "mfu": {m: (flops / r["effective_step_s"] / (peak * args.nproc) if peak else None) for m, r in rows.items()},
         "joules_per_token": ({m: r["joules_per_token"] for m, r in rows.items()} if energy_skipped is None
@@ -431,7 +427,10 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
             "mfu_convention": mfu_note,
             "statistic": "per step the slower rank's phases; medians over timed steps; ratios: median over rounds "
                          "of t(dense_adamw) / (t(row) + refresh / update_interval), rounds alternating order",
-            "refresh": "one forced refresh step at the refresh step nearest T_end / 2, amortized over update_interval",
+            "refresh": "one refresh step at the refresh step nearest T_end / 2, amortized over update_interval",
+            "counts": "one steady step per row after warmup under distsparse.op_count.OpCounter: aten ops per "
+                      "optimizer step and per forward+backward (grad_accum 1), host syncs per step (host tensors "
+                      "excluded); the rank that dispatched most",
             "target": {RATIO_KEY: f">= {TARGET} on CPU"},
         },
     }
@@ -445,13 +444,14 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
     if energy_skipped:
         print(f"energy: skipped ({energy_skipped})")
     headers = ["row", "forward s", "backward s", "optimizer s", "refresh s (amort.)", "step s", "tokens/s",
-               f"/ {REFERENCE}", f"{REFERENCE} step s (paired)", "TFLOP/s (dense-eq.)"]
+               f"/ {REFERENCE}", f"{REFERENCE} step s (paired)", "TFLOP/s (dense-eq.)", "ops/step", "ops/fwd+bwd",
+               "syncs/step"]
     table = []
     for m, r in rows.items():
         ph = r["phases_s"]
         table.append([ROWS[m], ph["forward"], ph["backward"], ph["optimizer"], ph["refresh"], r["effective_step_s"],
                       round(r["tokens_per_s"], 1), r["over_dense_adamw"], r["reference_step_s"],
-                      payload["achieved_tflops"][m]])
+                      payload["achieved_tflops"][m], *(counts[m][key] for key in COUNT_KEYS)])
     if energy_skipped is None:
         headers.append("J/token")
         for row, m in zip(table, rows):

@@ -60,6 +60,7 @@ from distsparse.optim.matrix_groups import MatrixGroup, form_groups
 from distsparse.optim.matrix_state import RESET_MODES, init_shadow, move_state, update_shadow
 from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule
+from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.topology import RefreshResult
 
 GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
@@ -282,10 +283,10 @@ class MatrixEngine:
 
     @torch.no_grad()
     def step(self, lr: float, clip_coef: float = 1.0, refresh: RefreshFn | None = None, *,
-             stats: bool = False) -> dict[str, dict]:
+             stats: bool = False, timer: StepTimer = NULL_TIMER) -> dict[str, dict]:
         """Update every matrix this rank is responsible for, refresh topologies when `refresh` is given,
         then distribute codes and values. Returns refresh stats keyed by matrix name (this rank's). `stats`
-        (logging steps) keeps the rule's per-matrix statistics for `rule_stats()`."""
+        (logging steps) keeps the rule's per-matrix statistics for `rule_stats()`; `timer` marks the phases."""
         self._rule_stats = []
         for group in self.groups:
             grad = group.stacked_grads()                         # [k, r, c]
@@ -298,10 +299,13 @@ class MatrixEngine:
                                **{k: per_matrix(v, self.device) for k, v in coefficients.items()}, **extra)
             if stats and out is not None:
                 self._rule_stats.append((group, out, self.group_rule.host_stats(coefficients)))
+        timer.mark("backbone_step")
         t0 = time.perf_counter()
         stats = self._refresh(refresh) if refresh is not None else {}
         self.last_refresh_seconds = time.perf_counter() - t0
+        timer.mark("refresh")
         self._distribute_values()
+        timer.mark("gather")
         return stats
 
     def _refresh(self, refresh: RefreshFn) -> dict[str, dict]:

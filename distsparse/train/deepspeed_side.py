@@ -51,6 +51,8 @@ class DeepSpeedSide:
             raise ValueError(f"DeepSpeed gradient_clipping: got {opt.clip_grad}; allowed: train.grad_clip "
                              f"({grad_clip}), so that both sides apply one coefficient")
         self.engine, self.optimizer, self.grad_clip = engine, opt, grad_clip
+        # The norm handed to DeepSpeed: one host tensor, refilled every step (its reads are host reads on any device)
+        self.host_norm = torch.zeros((), dtype=torch.float32, device=CPU)
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward; off the boundary also its step bookkeeping (no update happens there)."""
@@ -89,7 +91,7 @@ class DeepSpeedSide:
         skip path when `skip` (the norm is then not read). Raises if DeepSpeed disagrees about having applied the
         step."""
         opt = self.optimizer
-        norm = torch.tensor(joint_norm, dtype=torch.float32, device=CPU)
+        norm = self.host_norm.fill_(joint_norm)
 
         def check_overflow(partition_gradients: bool = True) -> None:
             opt.overflow = skip

@@ -2,19 +2,30 @@
 
 The project config owns batch sizes, clipping, precision and the dense-side AdamW hyperparameters, so a run is
 described by one config; a DeepSpeed file that sets one of those keys to a different value is refused.
+
+DeepSpeed's timing instruments synchronize the device (issue 25): its throughput timer (`timers.throughput`, on by
+default in 0.19.8: `engine.tput_timer` calls `synchronize()` at every forward and every `engine.step()`, which the
+joint step calls every micro-batch), `wall_clock_breakdown` and `flops_profiler`. The completed config turns the
+throughput timer off unless the user's file sets it, and a file that turns any of them on is warned about by key:
+the trainer reports its own phase times (StepReport.timings) on logging steps only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from distsparse.config import Config
 
+log = logging.getLogger("distsparse")
 SUPPORTED_STAGES = (1, 2)
-OBJECT_SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "optimizer.params")   # parents first
+OBJECT_SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "optimizer.params", "timers",
+                   "timers.throughput", "flops_profiler")   # parents first
+# DeepSpeed keys whose `true` adds a device synchronize to every micro-batch (or step), and DeepSpeed's default.
+SYNCING_KEYS = {"timers.throughput.enabled": True, "wall_clock_breakdown": False, "flops_profiler.enabled": False}
 
 
 def resolve_dtype(cfg: Config, cuda_available: bool | None = None) -> str:
@@ -102,4 +113,33 @@ def complete_ds_config(source: dict, cfg: Config, cuda_available: bool | None = 
     if not cuda:
         params.setdefault("torch_adam", True)   # no JIT C++ build on CPU
     ds.setdefault("steps_per_print", 10**9)      # the trainer prints its own line
+    ds.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
+    warn_syncing_keys(source)
     return ds
+
+
+def _lookup(source: dict, path: str):
+    node = source
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def warn_syncing_keys(source: dict) -> list[str]:
+    """Warn, by key, about each DeepSpeed timing instrument the user's JSON turns on (module docstring); returns
+    the keys. `timers.throughput` counts as on when the file names the section without `enabled: false`
+    (DeepSpeed's default is on) and leaves `synchronized` on."""
+    syncing = []
+    for key, default in SYNCING_KEYS.items():
+        value = _lookup(source, key)
+        if key == "timers.throughput.enabled":
+            section = _lookup(source, "timers.throughput")
+            on = isinstance(section, dict) and value is not False and section.get("synchronized", True) is not False
+        else:
+            on = bool(value if value is not None else default)
+        if on:
+            syncing.append(key)
+            log.warning("--ds_config %s: on; it synchronizes the device at every micro-batch or step, so the host "
+                        "can no longer run ahead of the GPU (set it to false; StepReport.timings times the phases "
+                        "on logging steps)", key)
+    return syncing

@@ -22,7 +22,9 @@ The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in 
 engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
 The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
 (topology_policy.refresh_metrics), logging steps the update rule's statistics (rule_metrics.py: one host read, one
-collective; TANS's `tans/{projection}/...`).
+collective; TANS's `tans/{projection}/...`). A timed step (the trainer's logging steps) marks the phase boundaries on
+`timer` (distsparse/step_timer.py: reduce = phases 1-2, dense_step, then the engine's backbone_step, refresh, gather);
+an untimed one pays nothing for it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.optim.engine import MatrixEngine
+from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.train.deepspeed_side import DeepSpeedSide
 from distsparse.train.method_hooks import HookSet, MethodHooks
 from distsparse.train.rule_metrics import rule_metrics
@@ -55,17 +58,19 @@ class StepReport:
     clip_coef: float                # the coefficient both sides applied (1.0: not clipped)
     preempt: bool                   # some rank had a preemption signal when this step's boundary began
     metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)   # time/{phase} seconds, logging steps only (step_timer)
 
 
 class JointOptimizer:
     """DeepSpeed's engine (dense side) and the MatrixEngine (backbone) stepped as one optimizer."""
 
     def __init__(self, ds_engine, matrix: MatrixEngine, *, grad_clip: float, backbone_lr: Callable[[int], float],
-                 hooks: MethodHooks | None = None, topology: TopologyPolicy | None = None):
+                 hooks: MethodHooks | None = None, topology: TopologyPolicy | None = None,
+                 timer: StepTimer = NULL_TIMER):
         self.dense = DeepSpeedSide(ds_engine, grad_clip)
         self.matrix, self.grad_clip, self.backbone_lr = matrix, grad_clip, backbone_lr
         self.hooks = hooks if hooks is not None else HookSet([])
-        self.topology = topology
+        self.topology, self.timer = topology, timer
         self.step_index = 0
         self._losses: list[torch.Tensor] = []
 
@@ -121,15 +126,18 @@ class JointOptimizer:
         finite = math.isfinite(dense_sq + backbone_sq)
         norm = math.sqrt(dense_sq + backbone_sq) if norm_wanted and finite else None
         coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 and finite else 1.0
+        self.timer.mark("reduce")   # phases 1 and 2: the waits and the step's collective
         # phase 3: dense side (DeepSpeed's own clip with the joint norm, or its skip path)
         self.dense.step(norm if norm is not None else 0.0, skip=not finite)
+        self.timer.mark("dense_step")
         # phase 4: backbone, refresh when due
         taken = self.step_index + 1
         metrics: dict[str, float] = {}
         if finite:
             due = self.topology is not None and self.topology.due(taken)
             refresh = self.topology.refresh_fn(taken) if due else None
-            stats = self.matrix.step(self.backbone_lr(self.step_index), coef, refresh, stats=measure_norm)
+            stats = self.matrix.step(self.backbone_lr(self.step_index), coef, refresh, stats=measure_norm,
+                                     timer=self.timer)
             if refresh is not None:
                 metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
             if measure_norm and self.matrix.group_rule.stat_keys:   # logging steps: the rule's statistics
@@ -141,6 +149,7 @@ class JointOptimizer:
         self.matrix.zero_grad()
         # phase 5: method hooks
         metrics.update(self.hooks.after_step(taken))
+        self.timer.mark(None)       # statistics, zero_grad and hooks: no phase of their own
         loss_mean = loss_sum / ddist.world_size()
         metrics.update({"loss/train": loss_mean, "optim/clip_coef": coef})
         if norm is not None:

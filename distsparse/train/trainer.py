@@ -26,7 +26,9 @@ from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
+from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
+from distsparse.step_timer import StepTimer
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
@@ -34,6 +36,7 @@ from distsparse.train.method_hooks import build_method_hooks
 from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
 from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.schedule import lr_factor
+from distsparse.train.step_inputs import StepInputs
 from distsparse.train.topology_policy import TopologyPolicy
 
 log = logging.getLogger("distsparse")
@@ -86,6 +89,7 @@ class Trainer:
         self.meta = load_meta(cfg.data.dir)
         vocab = cfg.model.vocab_size or self.meta["vocab_size"]
         self.model = build_model(cfg.model, cfg.method, vocab, cfg.train.seed)
+        use_causal_sdpa(self.model)   # no host sync in transformers' mask preparation (models/causal_attention.py)
         self.backbone = backbone_modules(self.model)
         # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6); the engine
         # is built after DeepSpeed has moved the model, on the same device (DESIGN decision 17).
@@ -106,11 +110,14 @@ class Trainer:
         self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
         self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
                                           self.world_size, self.rank, cfg.train.seed)
+        self.inputs = StepInputs(self.train_data, self.sampler, self.device)
+        self.timer = StepTimer(self.device)
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
         self.hooks = build_method_hooks(self.model, self.backbone, cfg.method, micro_batches=cfg.train.grad_accum,
                                         total_steps=cfg.train.steps)
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
-                                    topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s))
+                                    topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s),
+                                    timer=self.timer)
         self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
         self.step = 0
         self.report: StepReport | None = None
@@ -131,17 +138,46 @@ class Trainer:
 
     # ---- one optimizer step ------------------------------------------------------------------------------
 
+    def is_logging_step(self, taken: int) -> bool:
+        """Optimizer step `taken` (1-based) logs: the norm, the rule's statistics and the phase times."""
+        return taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
+
+    def step_once(self, timed: bool | None = None) -> StepReport:
+        """One full optimizer step: this step's inputs (prefetched), `train_step`, the next step's inputs started;
+        advances `self.step`. The report carries the phase times (`timings`, step_timer.py) on logging steps, or
+        as `timed` says (benchmarks: times without the logging step's statistics)."""
+        self.timer.start(self.is_logging_step(self.step + 1) if timed is None else timed)
+        batches = self.inputs.next()
+        self.timer.mark("data")
+        self.train_step(batches)
+        # The host collates the next step while the device still runs this one's queued updates and gathers.
+        self.inputs.prefetch()
+        self.timer.mark("data")
+        self.step += 1
+        self.report.timings = self.timer.read()
+        return self.report
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Tensors that stay on the host on every device, whose scalar reads wait for no device (OpCounter's
+        `host_tensors`): the norm handed to DeepSpeed and torch Adam's step counters (capturable off)."""
+        state = self.engine.optimizer.optimizer.state.values()
+        return [self.joint.dense.host_norm] + [s["step"] for s in state if torch.is_tensor(s.get("step"))]
+
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`)."""
-        taken = self.step + 1
+        """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`).
+        No host sync but the joint step's one read (joint_step.py): the batches are already on the device when
+        they come from `self.inputs`, otherwise moved here."""
         self.joint.begin(self.step)
         for i, batch in enumerate(batches):
-            out = self.engine(input_ids=batch["input_ids"].to(self.device), labels=batch["labels"].to(self.device))
+            out = self.engine(input_ids=batch["input_ids"].to(self.device, non_blocking=True),
+                              labels=batch["labels"].to(self.device, non_blocking=True))
+            self.timer.mark("forward")
             self.joint.backward(out.loss, last=i == len(batches) - 1)
-        logging_step = taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
-        self.report = self.joint.step(measure_norm=logging_step, preempt=self.preemption.set)
-        return {**self.report.metrics, "lr/dense": self.cfg.train.lr * self.lr_scale(),
-                "lr/backbone": self.cfg.method.lr * self.lr_scale()}
+            self.timer.mark("backward")
+        self.report = self.joint.step(measure_norm=self.is_logging_step(self.step + 1), preempt=self.preemption.set)
+        self.report.metrics.update({"lr/dense": self.cfg.train.lr * self.lr_scale(),
+                                    "lr/backbone": self.cfg.method.lr * self.lr_scale()})
+        return self.report.metrics
 
     # ---- evaluation --------------------------------------------------------------------------------------
 
@@ -159,7 +195,7 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        manifest = {"consumed_samples": self.sampler.state_dict()["consumed_samples"],
+        manifest = {"consumed_samples": self.inputs.consumed_samples,   # a prefetched step is not consumed yet
                     "config": config_to_dict(self.cfg), "tokenizer_sha256": self.meta.get("tokenizer_sha256", ""),
                     "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
                     "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype,
@@ -206,17 +242,14 @@ class Trainer:
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             log.info("parameters: %s", counts)
         tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * self.world_size * cfg.data.seq_len
-        micro_batches = iter(self.sampler)
         start = time.perf_counter()
         metrics, val_loss, val_ppl = {}, float("nan"), float("nan")
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
-            batches = [collate(self.train_data, next(micro_batches)) for _ in range(cfg.train.grad_accum)]
-            metrics = self.train_step(batches)
-            self.step += 1
+            report = self.step_once()
             step_time = time.perf_counter() - t0
-            metrics.update({"time/step_s": step_time, "time/tokens_per_s": tokens_per_step / step_time,
-                            "memory/peak_gb": peak_memory_gb()})
+            metrics = {**report.metrics, **report.timings, "time/step_s": step_time,
+                       "time/tokens_per_s": tokens_per_step / step_time, "memory/peak_gb": peak_memory_gb()}
             method_metrics = {}
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
