@@ -8,6 +8,7 @@ kind and buffer bytes (issue 25 item 5; the input of distsparse/perf/roofline.py
   bytes   sum of numel x itemsize over the tensor inputs (lists included) and tensor outputs; an in-place op reads
           and writes its destination, so it counts twice (an op that returns nothing, `_foreach_add_` or
           `_fused_adamw_`, counts its mutated arguments, the schema's write aliases, as written). Views alias and move nothing: 0 bytes, `view=True`.
+          `_unsafe_view` (reshape's alias of a fresh tensor) is one too, though torch does not mark it `is_view`.
           Tensors that only allocate (empty, empty_like, empty_strided) move nothing either (`alloc=True`)
   fp32_matmul  a FLOP-counted op whose first tensor input is float32 (the roofline charges it another peak)
 Shapes are all it needs, so it runs as well on the meta device (nothing computed) as on the CPU.
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from distsparse import dist as ddist
 from distsparse.op_count import OpCounter
 
+ALIAS_OPS = frozenset({"_unsafe_view"})
 ALLOC_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
@@ -83,7 +85,7 @@ class OpTracer(OpCounter):
         kwargs = kwargs or {}
         out = super().__torch_dispatch__(func, types, args, kwargs)
         name, packet = str(func), func.overloadpacket
-        if func.is_view:
+        if func.is_view or packet.__name__ in ALIAS_OPS:
             self.records.append(OpRecord(name, 0.0, 0, view=True))
         elif packet.__name__ in ALLOC_OPS:
             self.records.append(OpRecord(name, 0.0, 0, alloc=True))
