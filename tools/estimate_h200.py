@@ -35,7 +35,6 @@ from typing import Any
 from benchlib import add_json_arg, machine_info, print_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 DENSE, SPARSE = "dense_adamw", "chtsnm_nobranch_1of4_row"
 ROWS = {DENSE: "dense AdamW", SPARSE: "CHTs 1:4 + TANS"}
