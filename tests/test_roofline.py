@@ -142,3 +142,70 @@ def test_estimate_h200_refuses_bad_arguments_naming_them():
         proc = subprocess.run([sys.executable, str(ROOT / "tools/estimate_h200.py"), *argv], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and words in proc.stderr and "allowed" in proc.stderr
+
+
+# ---- the traced pieces against the real Trainer ----------------------------------------------------------------
+
+TRAINER_OVERRIDES = ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row", "data.seq_len=32",
+                     "train.dtype=fp32", "train.micro_batch=2", "train.grad_accum=2", "train.grad_clip=0",
+                     "train.log_interval=1000", "train.warmup_steps=0", "train.steps=1000"]
+
+
+def _matmul_flops(ops) -> float:
+    """FLOPs of the GEMMs (attention apart: on the CPU SDPA's flash kernel is one flop_counter does not know)."""
+    return sum(op.flops for op in ops if "scaled_dot_product" not in op.name)
+
+
+def _trainer_vs_pieces(rank, world_size, data_dir, out_dir):
+    from collections import Counter
+
+    from distsparse.config import load_config
+    from distsparse.data import collate
+    from distsparse.perf.step_trace import rank_traces
+    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.trainer import Trainer
+
+    cfg = load_config(None, TRAINER_OVERRIDES + [f"data.dir={data_dir}", f"train.out_dir={out_dir}/{rank}"])
+    trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
+    trainer.topology.due = lambda step: False
+    batches = iter(trainer.sampler)
+
+    def step():
+        trainer.train_step([collate(trainer.train_data, next(batches)) for _ in range(cfg.train.grad_accum)])
+        trainer.step += 1
+    for _ in range(12):   # past TANS's ramp (8 steps): Newton-Schulz runs on every matrix
+        step()
+    with OpTracer() as tracer:
+        step()
+    trainer.close()
+    pieces = rank_traces(cfg, cfg.model.vocab_size or 97, world_size, rank, sparse=True)
+    c10d = Counter(op.name.split(".")[1] for op in tracer.records if op.name.startswith("c10d."))
+    return {"trainer_flops": _matmul_flops(tracer.records),
+            "pieces_flops": _matmul_flops(pieces["forward_backward"].ops + pieces["backbone_step"].ops),
+            "backbone_flops": _matmul_flops(pieces["backbone_step"].ops),
+            "flash_ops": [op.name for op in pieces["forward_backward"].ops if "scaled_dot_product" in op.name],
+            "trainer_c10d": dict(c10d),
+            "pieces_collectives": dict(Counter(c.kind for k in ("forward_backward", "backbone_step", "joint_scalars",
+                                                                 "dense_step") for c in pieces[k].collectives))}
+
+
+def test_the_traced_pieces_hold_the_flops_and_collectives_of_a_real_trainer_step_on_two_ranks(ranks2, tmp_path):
+    """The meta-device pieces (model forward+backward, the engine's steady step, the joint scalars and the ZeRO-2
+    replay, rank r of 2 simulated) count the GEMM FLOPs and issue the collectives that the real Trainer.train_step on
+    2 gloo ranks dispatches (c10d ops in its dispatch trace; DeepSpeed's dense side adds no GEMMs)."""
+    from synthetic_data import make_data_dir
+
+    data = make_data_dir(tmp_path / "data")
+    out = ranks2.run(_trainer_vs_pieces, data, str(tmp_path / "runs"))
+    layers, micro_batches = 2, 2   # the tiny model, train.grad_accum
+    for r in out:
+        assert r["backbone_flops"] > 0   # Newton-Schulz is in the engine's step
+        # attention as on a GPU: one flash kernel forward and one backward per layer and micro-batch
+        assert sorted(set(r["flash_ops"])) == ["aten._scaled_dot_product_flash_attention.default",
+                                               "aten._scaled_dot_product_flash_attention_backward.default"]
+        assert len(r["flash_ops"]) == 2 * layers * micro_batches
+        assert r["pieces_flops"] == pytest.approx(r["trainer_flops"], rel=1e-9), r
+        # the same collectives, kind by kind: engine buckets, value gather, DeepSpeed's all-reduce per micro-batch
+        # and parameter gather, the joint step's scalars
+        c10d = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter", "_allgather_base_": "all_gather"}
+        assert {c10d[k]: n for k, n in r["trainer_c10d"].items()} == r["pieces_collectives"]

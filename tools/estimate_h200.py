@@ -134,7 +134,7 @@ def estimate_model(model: str, world_sizes: list[int], quick: bool, log) -> dict
         for r in range(w):
             log(f"{model}, {w} ranks: {SPARSE} rank {r}")
             t = rank_traces(sparse_cfg, vocab, w, r, sparse=True)
-            phases = {k: seconds(t[k], w) for k in ("forward_backward", "backbone_step", "dense_step")}
+            phases = {k: seconds(t[k], w) for k in ("forward_backward", "backbone_step", "joint_scalars", "dense_step")}
             refresh_s = (refresh["intercept_s"] + refresh["per_matrix_s"] * t["owned_sparse"]
                          + collective_seconds(t["codes_gather"], w))
             amortized = refresh_s / refresh["update_interval"]

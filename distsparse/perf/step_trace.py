@@ -13,17 +13,21 @@ What runs where:
                      moved, codes distributed) on the CPU with real values (its selection reads counts on the host,
                      which the meta device cannot), at a few layers of the preset's widths: `refresh_per_matrix`
                      extrapolates it per matrix (a refresh is per matrix; tools/estimate_h200.py checks linearity)
+  joint scalars      the joint step's one all-reduce of its 4 float64 scalars (joint_step.py phase 2), sparse rows
   dense side         DeepSpeed ZeRO-2's step as a dense user runs it, replayed op by op on meta (DeepSpeed cannot be
                      built on meta): per micro-batch each dense gradient copied into the contiguous bf16 bucket and
-                     one reduce-scatter of it; per step the rank's fp32 partition (numel / W, padded) cast from the
+                     one all-reduce of it (DeepSpeed 0.19's ZeRO-2 default, use_multi_rank_bucket_allreduce: the
+                     real Trainer's trace shows it, tests/test_roofline.py); per step the rank's fp32 partition (numel / W, padded) cast from the
                      bucket, one fused AdamW (DeepSpeed's FusedAdam: one multi-tensor kernel, here
                      `aten._fused_adamw_`), the bf16 parameter partition written back and one all-gather of the
                      parameters. Gradient clipping is off in the paper presets (train.grad_clip 0), so no norm.
 Multi-rank layouts come from the engine's own layout code run under `simulated_world` (distsparse/perf/trace.py):
 rank r of W builds its engine as on a real launch (owners, buckets, groups, shards) and its collectives are recorded.
-GPU behaviour kept on meta: Newton-Schulz iterates in bf16 as on CUDA (`newton_schulz`'s CUDA default), and
-transformers' packed-sequence check on position ids (a host read of `.all()`, one sync per forward on a GPU) is
-skipped: it returns None for unpacked batches, as here.
+GPU behaviour kept on meta (`gpu_like`): Newton-Schulz iterates in bf16 as on CUDA (`newton_schulz`'s CUDA
+default); causal attention without a mask in bf16 runs as SDPA's flash kernel (`_scaled_dot_product_flash_attention`
+and its backward, one op each, as SDPA picks on an H200) instead of the math fallback a meta or CPU tensor gets
+(bmm, softmax, bmm: an [s, s] score matrix in memory); transformers' packed-sequence check on position ids (a host
+read of `.all()`, one sync per forward on a GPU) is skipped: it returns None for unpacked batches, as here.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from unittest import mock
 
 import torch
 
+from distsparse import dist as ddist
 from distsparse.perf.trace import CollectiveRecord, OpRecord, OpTracer, simulated_world
 
 WARM_STEPS = 16            # > every preset's TANS ramp_steps (8)
@@ -53,13 +58,26 @@ class Trace:
         return Trace(self.ops + other.ops, self.collectives + other.collectives)
 
 
+def _flash_sdpa(original):
+    """torch's SDPA as on a GPU: the flash kernel where it applies (no mask, no GQA broadcast, half precision)."""
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if attn_mask is not None or enable_gqa or query.dtype not in (torch.bfloat16, torch.float16):
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
+                                                                   scale=scale)[0]
+    return sdpa
+
+
 @contextlib.contextmanager
 def gpu_like():
-    """The module docstring's two GPU behaviours on meta."""
+    """The module docstring's GPU behaviours on meta."""
     import transformers.masking_utils as masking
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        stack.enter_context(mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_sdpa(sdpa)))
         for name in NS_MODULES:
             try:
                 module = importlib.import_module(name)
@@ -150,7 +168,7 @@ def zero2_dense_step(param_numels: list[int], world_size: int, micro_batches: in
             for g in grads:
                 bucket[offset:offset + g.numel()].copy_(g)
                 offset += g.numel()
-            torch.distributed.reduce_scatter_tensor(bucket[:part], bucket)
+            torch.distributed.all_reduce(bucket)
         fp32_grad = bucket[:part].float()
         torch._fused_adamw_([master], [fp32_grad], [exp_avg], [exp_avg_sq], [], [step], lr=1e-3, beta1=0.9,
                             beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
@@ -179,6 +197,8 @@ def rank_traces(cfg, vocab_size: int, world_size: int, rank: int, *, sparse: boo
                                                     log)}
         if engine is not None:
             out["backbone_step"] = backbone_step(engine, cfg.method.lr, t.grad_clip, log)
+            with traced(log) as out["joint_scalars"]:
+                ddist.dist_sum(torch.zeros(4, dtype=torch.float64, device="meta"))
             out["owned_sparse"] = sum(1 for m in engine.owned() if m.sparse)
             out["matrices"] = len(engine.matrices)
             out["codes_gather"] = CollectiveRecord("all_gather", world_size * engine.codes_shard_size)
