@@ -172,6 +172,17 @@ def table(results: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def code_version() -> dict[str, str | None]:
+    """Which distsparse tree was traced (a PYTHONPATH worktree for the "before" figures) and its commit."""
+    import subprocess
+
+    import distsparse
+
+    tree = Path(distsparse.__file__).resolve().parents[1]
+    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"distsparse_tree": str(tree), "commit": proc.stdout.strip() or None}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from distsparse.perf import roofline
@@ -187,11 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bf16_peak_flops": roofline.BF16_PEAK_FLOPS, "fp32_peak_flops": roofline.FP32_PEAK_FLOPS,
         "hbm_bytes_per_s": roofline.HBM_BPS, "nvlink_bytes_per_s": roofline.NVLINK_BPS,
         "inter_node_bytes_per_s": roofline.INTER_NODE_BPS, "gpus_per_node": roofline.GPUS_PER_NODE},
-        "rows": ROWS, "method": __doc__, "quick": args.quick, "machine": machine_info()}
+        "rows": ROWS, "method": __doc__, "quick": args.quick, "code": code_version(), "machine": machine_info()}
     if args.before_json:
         before = json.loads(Path(args.before_json).read_text())
         payload["before"] = {k: before[k] for k in (RATIO_KEY, SHARE_KEY)}
-        payload["before"]["source"] = before.get("source", args.before_json)
+        payload["before"]["code"] = before.get("code")
+        payload["before"]["results"] = before["results"]
     if args.json:
         write_json(args.json, payload)
     headers = ["model", "ranks", "dense fwd+bwd ms", "dense step ms", "dense total ms", "CHTs fwd+bwd ms",
