@@ -20,6 +20,12 @@ through DeepSpeed too, is in the backward.
 
     python tools/estimate_h200.py --json docs/results/estimate_h200.json
     python tools/estimate_h200.py --before-json before.json --json docs/results/estimate_h200.json
+The "before" figures (the code before issue 25, 3a33929: per-matrix engine, the index-rebuilding sparse layer) come
+from this tool run against a worktree of that commit with the tracer copied in, from outside the checkout (the
+working directory comes first on sys.path):
+    git worktree add /tmp/before_wt 3a33929 && mkdir -p /tmp/before_wt/distsparse/perf
+    cp distsparse/op_count.py /tmp/before_wt/distsparse/ && cp distsparse/perf/*.py /tmp/before_wt/distsparse/perf/
+    cd /tmp && PYTHONPATH=/tmp/before_wt python $REPO/tools/estimate_h200.py --json before.json
     python tools/estimate_h200.py --quick --json out.json      # tiny model, W 1 and 2 (the test suite's smoke run)
 """
 
