@@ -506,3 +506,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# Keys added to the config after runs were recorded (config.json), each with the value that does what those runs
+# did: a recorded run without the key reads as one with that value, so it is still the same config.
+ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None}   # issue 28: one dense group
+
+
+def with_added_keys(config: dict) -> dict:
+    """A recorded config (config_to_dict's layout) with every ADDED_KEYS entry it lacks set to its value."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for (section, key), value in ADDED_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out

@@ -406,6 +406,26 @@ def test_a_key_one_config_lacks_is_named_even_against_none(bench, fake_data, tmp
         bench.refuse_to_replace(args, spec)
 
 
+@pytest.mark.parametrize("recorded, reused", [(None, True), (3e-3, False)])
+def test_a_run_recorded_before_the_branch_rate_existed_reads_as_one_on_train_lr(bench, fake_data, tmp_path,
+                                                                               recorded, reused):
+    """config.json of a checkout without method.branch_lr / branch_weight_decay (issue 28) is the same config as
+    these keys at null (one dense group); a run that had its own branch rate is another config."""
+    args = bench.parse_args(["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40",
+                             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
+    spec = bench.full_spec(args, "chtsnm_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, args, spec)
+    config = json.loads((spec.out_dir / "config.json").read_text())
+    del config["method"]["branch_lr"], config["method"]["branch_weight_decay"]
+    if recorded is not None:
+        config["method"]["branch_lr"] = recorded
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    assert bench.finished_earlier(args, spec) is reused
+    if not reused:
+        with pytest.raises(bench.RunInTheWay, match="method.branch_lr: 0.003 there, None here"):
+            bench.refuse_to_replace(args, spec)
+
+
 def test_only_methods_still_to_train_are_checked_and_other_errors_are_not_swallowed(bench, fake_data, tmp_path,
                                                                                      monkeypatch, capsys):
     calls = []

@@ -271,7 +271,8 @@ def _earlier_config(run: RunSpec) -> dict | None:
     """The config of the run that finished in run.out_dir (without train.out_dir); None when none did."""
     if not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
         return None
-    found = json.loads((run.out_dir / "config.json").read_text())
+    from distsparse.config import with_added_keys
+    found = with_added_keys(json.loads((run.out_dir / "config.json").read_text()))   # runs of an older checkout
     found.get("train", {}).pop("out_dir", None)
     return found
 
