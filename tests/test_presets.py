@@ -66,7 +66,8 @@ def test_every_branch_preset_states_what_its_budget_counts(preset):
     branch comparison counts every branch parameter, so its kinds compare at equal parameters (decision 19)."""
     raw = read_yaml((CONFIG_ROOT / "method" / f"{preset}.yaml").read_text())
     assert "budget_counts" in raw["branch"], "stated in the preset, not left to the default"
-    paper_rank_convention = preset.startswith(("chtsnm_1of4", "chtsnm_2of4", "chtsnm_biascorr_", "chts24_como_"))
+    paper_rank_convention = preset.startswith(("chtsnm_1of4", "chtsnm_2of4", "chtsnm_biascorr_", "chtsnm_blr3em3_",
+                                              "chts24_como_"))
     cfg = load_config(None, [f"method.preset={preset}"])
     assert cfg.method.branch.budget_counts == ("low_rank" if paper_rank_convention else "all")
 

@@ -69,9 +69,7 @@ def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.M
         return [{"params": params}]
     named = dict(model.named_parameters())
     branch = {id(named[n]) for n in branch_parameter_names(model)}
-    if not branch:
-        raise ValueError("method.branch_lr / method.branch_weight_decay: given, but the model has no branch "
-                         "parameters; allowed: null for a method without a branch")
+    assert branch, "a branch rate or decay without branch parameters (MethodConfig refuses it)"
     group = {"params": [p for p in params if id(p) in branch], "name": "branch"}
     if branch_lr is not None:
         group["lr"] = branch_lr
