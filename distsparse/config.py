@@ -214,6 +214,10 @@ class MethodConfig:
     rule_args: dict = field(default_factory=dict)   # HParams fields of the rule (distsparse.optim), but lr
     latent_args: dict = field(default_factory=dict)  # LatentParams fields (srste/cast baselines)
     reset_mode: str = "changed"        # rule state of refreshed links: changed | all | none (paper Table A8)
+    # The branch's own DeepSpeed parameter group (issue 28): its peak rate on the dense side's schedule, and its
+    # weight decay. null: train.lr / train.weight_decay in the dense side's one group, the paper's coupling.
+    branch_lr: float | None = None
+    branch_weight_decay: float | None = None
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     branch: BranchConfig = field(default_factory=BranchConfig)
     permutation: PermutationConfig = field(default_factory=PermutationConfig)
@@ -224,6 +228,7 @@ class MethodConfig:
         _choice("method.init", self.init, ("swi", "hf"))
         _choice("method.reset_mode", self.reset_mode, RESET_MODES)
         _positive("method.lr", self.lr)
+        self._check_branch_group()
         self.rule_params  # checks rule_args against the rule's hyperparameters
         self.latent_params  # checks latent_args and that each applies to the backbone
         if self.reset_mode != "changed" and not (self.topology.enabled and self.backbone == "sparse"):
@@ -242,6 +247,21 @@ class MethodConfig:
             if self.backbone == "dense":
                 raise ValueError(f"method.backbone: got 'dense' with method.sparsity {self.sparsity!r}; "
                                  f"allowed: 'dense' only with sparsity 'none'")
+
+    def _check_branch_group(self) -> None:
+        for key, allow_zero in (("branch_lr", False), ("branch_weight_decay", True)):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if self.branch.kind == "none":
+                raise ValueError(f"method.{key}: got {value!r} with method.branch.kind 'none'; allowed: null (a "
+                                 f"method without a branch has no branch parameter group)")
+            _positive(f"method.{key}", value, allow_zero=allow_zero)
+
+    @property
+    def separate_branch_group(self) -> bool:
+        """True when the branch parameters get their own DeepSpeed parameter group (a rate or decay of their own)."""
+        return self.branch_lr is not None or self.branch_weight_decay is not None
 
     @property
     def rule_params(self) -> Any:
@@ -486,3 +506,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def config_to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
+
+
+# Keys added to the config after runs were recorded (config.json), each with the value that does what those runs
+# did: a recorded run without the key reads as one with that value, so it is still the same config.
+ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None}   # issue 28: one dense group
+
+
+def with_added_keys(config: dict) -> dict:
+    """A recorded config (config_to_dict's layout) with every ADDED_KEYS entry it lacks set to its value."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for (section, key), value in ADDED_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out

@@ -177,10 +177,66 @@ def test_a_full_length_sweep_takes_its_best_point_as_the_result_without_another_
                                        "| best b0.5 d2")
 
 
+def test_the_branch_rate_is_a_third_sweep_axis_for_methods_with_a_branch_only(bench, fake_data, tmp_path,
+                                                                              monkeypatch):
+    """PPL = 50 + 10 |log2 b| + 4 |log2(d / 2)| + 3 |log2(r / 0.25)|, r = method.branch_lr / the preset's train.lr
+    (r = d when the run leaves the branch on train.lr): the best triple is b1 d2 r0.25, inside all three axes."""
+    calls = []
+
+    def train(args, run):
+        calls.append(run)
+        b, d = run.lr / preset_lr(run.method), run.dense_lr / DEFAULT_TRAIN_LR
+        r = d if run.branch_lr is None else run.branch_lr / DEFAULT_TRAIN_LR
+        ppl = 50.0 + 10.0 * abs(math.log2(b)) + 4.0 * abs(math.log2(d / 2)) + 3.0 * abs(math.log2(r / 0.25))
+        tokens = args.micro_batch * args.seq_len
+        curve = [[s * tokens, ppl] for s in range(run.eval_interval, run.steps + 1, run.eval_interval)]
+        return bench.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
+    monkeypatch.setattr(bench, "train", train)
+    out = tmp_path / "q.json"
+    assert bench.main(["--data", str(fake_data), "--methods", "chtsnm_nobranch_1of4_row,chtsnm_1of4_row",
+                       "--steps", "40", "--eval-points", "4", "--lr-sweep", "chtsnm_nobranch_1of4_row,chtsnm_1of4_row",
+                       "--lr-scales", "0.5,1,2", "--dense-lr-scales", "1,2,4", "--branch-lr-scales", "0.125,0.25,0.5",
+                       "--sweep-steps", "40", "--json", str(out), "--out-root", str(tmp_path)]) == 0
+    plain = [c for c in calls if c.method == "chtsnm_nobranch_1of4_row"]
+    branch = [c for c in calls if c.method == "chtsnm_1of4_row"]
+    assert len(plain) == 9 and all(c.branch_lr is None for c in plain)         # no branch: no third axis
+    assert "method.branch_lr" not in " ".join(bench.run_overrides(bench.parse_args(
+        ["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40", "--json", str(out)]),
+        plain[0]))
+    assert len(branch) == 27
+    assert [c.branch_lr for c in branch[:3]] == pytest.approx([r * DEFAULT_TRAIN_LR for r in (0.125, 0.25, 0.5)])
+    assert [c.out_dir.name for c in branch[:3]] == ["sweep_b0.5_d1_r0.125", "sweep_b0.5_d1_r0.25",
+                                                     "sweep_b0.5_d1_r0.5"]
+    # Independent of the point's dense rate: the same three branch rates at d4.
+    assert {c.branch_lr for c in branch if c.dense_lr == pytest.approx(4 * DEFAULT_TRAIN_LR)} == \
+        {c.branch_lr for c in branch[:3]}
+    assert f"method.branch_lr={branch[1].branch_lr!r}" in bench.run_overrides(bench.parse_args(
+        ["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40", "--json", str(out)]), branch[1])
+    entry = json.loads(out.read_text())["methods"]["chtsnm_1of4_row"]
+    sweep = entry["lr_sweep"]
+    assert sweep["chosen_scales"] == [1.0, 2.0, 0.25] and not sweep["chosen_on_edge"]
+    assert entry["final_ppl"] == pytest.approx(50.0) and entry["branch_lr"] == pytest.approx(0.25 * DEFAULT_TRAIN_LR)
+    assert entry["run_dir"] == str(tmp_path / "chtsnm_1of4_row" / "sweep_b1_d2_r0.25")
+    point = next(p for p in sweep["points"] if (p["lr_scale"], p["dense_lr_scale"], p["branch_lr_scale"]) ==
+                 (2.0, 4.0, 0.5))
+    assert point["final_ppl"] == pytest.approx(50 + 10 + 4 + 3)
+    assert "best b1 d2 r0.25" in bench.sweep_note(entry) and "d4r0.5 67.00" in bench.sweep_note(entry)
+    plain_entry = json.loads(out.read_text())["methods"]["chtsnm_nobranch_1of4_row"]
+    assert len(plain_entry["lr_sweep"]["chosen_scales"]) == 2 and "branch_lr" not in plain_entry
+
+
+def test_branch_lr_scales_without_a_sweep_are_refused(bench, fake_data, tmp_path, capsys):
+    assert bench.main(["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40",
+                       "--branch-lr-scales", "0.5,1", "--json", str(tmp_path / "q.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--branch-lr-scales: got 0.5,1" in err and "with --lr-sweep" in err
+
+
 @pytest.mark.parametrize("flag, value, allowed", [("--lr-scales", "0.5,-1", "distinct positive numbers"),
                                                   ("--lr-scales", "1,1", "distinct positive numbers"),
                                                   ("--lr-scales", "x", "distinct positive numbers"),
                                                   ("--dense-lr-scales", "2,0", "distinct positive numbers"),
+                                                  ("--branch-lr-scales", "1,-2", "distinct positive numbers"),
                                                   ("--sweep-steps", "41", "1 to --steps"),
                                                   ("--sweep-steps", "0", "1 to --steps")])
 def test_a_bad_sweep_setting_is_refused_naming_it(bench, fake_data, tmp_path, monkeypatch, capsys, flag, value,
@@ -348,6 +404,26 @@ def test_a_key_one_config_lacks_is_named_even_against_none(bench, fake_data, tmp
     (spec.out_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(bench.RunInTheWay, match="train.new_option: None there, '<absent>' here"):
         bench.refuse_to_replace(args, spec)
+
+
+@pytest.mark.parametrize("recorded, reused", [(None, True), (3e-3, False)])
+def test_a_run_recorded_before_the_branch_rate_existed_reads_as_one_on_train_lr(bench, fake_data, tmp_path,
+                                                                               recorded, reused):
+    """config.json of a checkout without method.branch_lr / branch_weight_decay (issue 28) is the same config as
+    these keys at null (one dense group); a run that had its own branch rate is another config."""
+    args = bench.parse_args(["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40",
+                             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
+    spec = bench.full_spec(args, "chtsnm_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, args, spec)
+    config = json.loads((spec.out_dir / "config.json").read_text())
+    del config["method"]["branch_lr"], config["method"]["branch_weight_decay"]
+    if recorded is not None:
+        config["method"]["branch_lr"] = recorded
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    assert bench.finished_earlier(args, spec) is reused
+    if not reused:
+        with pytest.raises(bench.RunInTheWay, match="method.branch_lr: 0.003 there, None here"):
+            bench.refuse_to_replace(args, spec)
 
 
 def test_only_methods_still_to_train_are_checked_and_other_errors_are_not_swallowed(bench, fake_data, tmp_path,

@@ -31,6 +31,31 @@ def test_bad_config_values_name_key_value_and_allowed(override, words):
         assert word in str(err.value), (word, str(err.value))
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["method.preset=chtsnm_nobranch_1of4_row", "method.branch_lr=3e-3"],
+     ["method.branch_lr", "0.003", "method.branch.kind 'none'", "allowed: null"]),
+    (["method.preset=dense_adamw", "method.branch_weight_decay=0.1"],
+     ["method.branch_weight_decay", "0.1", "method.branch.kind 'none'", "allowed: null"]),
+    (["method.preset=chtsnm_1of4_row", "method.branch_lr=0"], ["method.branch_lr", "0.0", "> 0"]),
+    (["method.preset=chtsnm_1of4_row", "method.branch_lr=-1e-3"], ["method.branch_lr", "-0.001", "> 0"]),
+    (["method.preset=chtsnm_1of4_row", "method.branch_lr=.nan"], ["method.branch_lr", "nan", "finite"]),
+    (["method.preset=chtsnm_1of4_row", "method.branch_weight_decay=-0.1"],
+     ["method.branch_weight_decay", "-0.1", ">= 0"]),
+])
+def test_a_branch_rate_is_refused_without_a_branch_or_when_not_positive(overrides, words):
+    with pytest.raises(ValueError) as err:
+        load_config(None, overrides)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_a_branch_rate_of_its_own_is_accepted_with_a_branch_and_null_keeps_one_group():
+    own = load_config(None, ["method.preset=chtsnm_1of4_row", "method.branch_lr=3e-3",
+                             "method.branch_weight_decay=0"]).method
+    assert (own.branch_lr, own.branch_weight_decay, own.separate_branch_group) == (3e-3, 0.0, True)
+    assert not load_config(None, ["method.preset=chtsnm_1of4_row"]).method.separate_branch_group
+
+
 def test_quotes_are_not_needed_for_sparsity_in_overrides():
     assert load_config(None, ["method.sparsity=2:4", "train.lr=1e-3"]).method.spec.n == 2
 

@@ -23,6 +23,7 @@ CASES = {
     "tans_block_bias_correction_decay": ("chtsnm_nobranch_2of4_block", {"bias_correction": True, "weight_decay": 0.1}),
     "tans_pre_mask_global_no_ramp": ("chtsnm_nobranch_1of4_row", {"rms_mode": "pre_mask_global", "ramp_steps": 0}),
     "tans_rms_none": ("chtsnm_nobranch_1of4_row", {"rms_mode": "none"}),
+    "tans_biascorr_preset": ("chtsnm_nobranch_biascorr_1of4_row", {}),   # the preset's rule_args reach the kernel
     "tans_geometry_only": ("chtsnm_nobranch_1of4_row", {"geometry_only": True, "bias_correction": True}),
     "tans_dense": ("dense_tans", {}),
     "muon_sparse_decay": ("chts_muon_1of4_row", {"weight_decay": 0.1}),

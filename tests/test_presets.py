@@ -66,9 +66,22 @@ def test_every_branch_preset_states_what_its_budget_counts(preset):
     branch comparison counts every branch parameter, so its kinds compare at equal parameters (decision 19)."""
     raw = read_yaml((CONFIG_ROOT / "method" / f"{preset}.yaml").read_text())
     assert "budget_counts" in raw["branch"], "stated in the preset, not left to the default"
-    paper_rank_convention = preset.startswith(("chtsnm_1of4", "chtsnm_2of4", "chts24_como_"))
+    paper_rank_convention = preset.startswith(("chtsnm_1of4", "chtsnm_2of4", "chtsnm_biascorr_", "chtsnm_blr3em3_",
+                                              "chts24_como_"))
     cfg = load_config(None, [f"method.preset={preset}"])
     assert cfg.method.branch.budget_counts == ("low_rank" if paper_rank_convention else "all")
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_branch_preset_states_its_branch_rate_and_no_other_preset_has_one(preset):
+    """The branch's own parameter group (issue 28) is stated where a branch exists: null keeps the paper's
+    coupling to train.lr; a preset without a branch cannot carry one (the config refuses it)."""
+    raw = read_yaml((CONFIG_ROOT / "method" / f"{preset}.yaml").read_text())
+    has_branch = raw.get("branch", {}).get("kind", "none") != "none"
+    assert ("branch_lr" in raw and "branch_weight_decay" in raw) == has_branch
+    cfg = load_config(None, [f"method.preset={preset}"])
+    assert cfg.method.separate_branch_group == (raw.get("branch_lr") is not None or
+                                                raw.get("branch_weight_decay") is not None)
 
 
 def test_paper_table_rows_exist():

@@ -17,13 +17,16 @@ def tool():
     return import_tool("quality_summary")
 
 
-def write_run(root, method, seed, b, d, ppl, *, steps=STEPS, finished_step=None, preset=None):
-    """One run directory; ppl None leaves config.json without result.json (a run in flight)."""
-    run = root / f"seed{seed}" / method / f"sweep_b{b:g}_d{d:g}"
+def write_run(root, method, seed, b, d, ppl, *, steps=STEPS, finished_step=None, preset=None, r=None):
+    """One run directory; ppl None leaves config.json without result.json (a run in flight). Without r the config
+    has no method.branch_lr (a run recorded before it existed); with r, method.branch_lr = 3e-3 r."""
+    run = root / f"seed{seed}" / method / (f"sweep_b{b:g}_d{d:g}" + ("" if r is None else f"_r{r:g}"))
     run.mkdir(parents=True)
     config = {"model": {"preset": "small_tied"}, "data": {"dir": "data/pydocs4k", "seq_len": 64},
               "method": {"preset": preset or method, "lr": 1e-3 * b},
               "train": {"steps": steps, "lr": 3e-3 * d, "seed": seed, "out_dir": str(run), "warmup_steps": 150}}
+    if r is not None:
+        config["method"].update(branch_lr=3e-3 * r, branch_weight_decay=None)
     (run / "config.json").write_text(json.dumps(config))
     if ppl is not None:
         step = steps if finished_step is None else finished_step
@@ -223,3 +226,47 @@ def test_ranges_apart_when_the_lower_methods_worst_seed_is_below_the_others_best
     by_pair = {(o["lower"], o["higher"]): o for o in tool.summarize(tmp_path)["orderings"]}
     assert [(k, o["ranges_apart"], o["every_seed"]) for k, o in by_pair.items()] == [
         (("low", "one"), True, None), (("low", "high"), True, True), (("one", "high"), True, None)]
+
+
+def test_the_branch_rate_is_a_third_axis_with_its_best_point_and_interiority(tool, tmp_path, capsys):
+    """PPL bowls over (b, d, r): method "in" has its optimum at b1 d2 r0.5, inside; "edge" at r beyond 2."""
+    for b in (0.5, 1, 2):
+        for d in (1, 2, 4):
+            for r in (0.25, 0.5, 1, 2):
+                write_run(tmp_path, "in", 0, b, d, bowl(b, d, 1, 2, 20.0) + math.log2(r / 0.5) ** 2, r=r)
+                write_run(tmp_path, "edge", 0, b, d, bowl(b, d, 1, 2, 25.0) + math.log2(r / 8) ** 2, r=r)
+    write_run(tmp_path, "in", 1, 1, 2, 21.0, r=0.5)
+    write_run(tmp_path, "in", 1, 1, 2, 99.0, r=1)   # another seed off the best point
+    summary = tool.summarize(tmp_path)
+    inside, edge = summary["methods"]["in"], summary["methods"]["edge"]
+    assert len(inside["grid"]) == 36 and inside["grid"][0]["r"] == 0.25
+    assert inside["best"] == {"b": 1, "d": 2, "lr": pytest.approx(1e-3), "dense_lr": pytest.approx(6e-3), "r": 0.5,
+                              "branch_lr": pytest.approx(1.5e-3)}
+    assert inside["best_interior"] is True and inside["seeds"] == {"0": 20.0, "1": 21.0}
+    assert inside["off_pair"] == ["seed1 b1 d2 r1"]
+    assert (edge["best"]["r"], edge["best_interior"]) == (2, False)   # interior in b and d, on the edge of r
+    assert tool.interior({"b": 1, "d": 2, "r": 0.5}, [{"b": 1, "d": 2, "r": 0.25}, {"b": 1, "d": 2, "r": 1},
+                                                       {"b": 0.5, "d": 2, "r": 0.5}, {"b": 2, "d": 2, "r": 0.5},
+                                                       {"b": 1, "d": 1, "r": 0.5}]) is False   # nothing above d2
+    assert tool.main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "in: seed-0 final val PPL, rows backbone scale b, columns dense-side scale d, branch scale r0.5" in out
+    assert re.search(r"^in +b1 d2 r0\.5 +yes +2 +20\.500 +20\.000 +21\.000$", out, re.M)
+
+
+def test_runs_without_a_branch_axis_and_with_one_are_points_of_one_method(tool, tmp_path):
+    """Runs recorded before method.branch_lr existed (no key, the branch on train.lr) sit beside runs with r."""
+    write_run(tmp_path, "m", 0, 1, 1, 30.0)
+    write_run(tmp_path, "m", 0, 1, 1, 28.0, r=0.5)
+    write_run(tmp_path, "m", 1, 1, 1, 31.0)
+    entry = tool.summarize(tmp_path)["methods"]["m"]
+    assert [p.get("r") for p in entry["grid"]] == [None, 0.5]
+    assert entry["best"]["r"] == 0.5 and entry["seeds"] == {"0": 28.0}
+    assert entry["off_pair"] == ["seed1 b1 d1"]
+
+
+def test_a_seed_at_the_point_under_another_branch_rate_is_refused(tool, tmp_path):
+    write_run(tmp_path, "m", 0, 1, 2, 20.0, r=0.5)
+    edit_config(write_run(tmp_path, "m", 1, 1, 2, 21.0, r=0.5), "method", branch_lr=9e-3)
+    with pytest.raises(ValueError, match=r"other learning rates at b1 d2 r0.5 .*differ: method.branch_lr"):
+        tool.summarize(tmp_path)

@@ -147,6 +147,48 @@ def test_tans_ablation_switches_equal_the_float64_reference(variant):
     torch.testing.assert_close(got.double(), tans_reference(theta, gs, mask, hp, 0.05, shape), rtol=0, atol=2e-5)
 
 
+def _torch_adam64(theta, gs, lr, betas, eps):
+    """torch.optim.Adam in float64 (bias-corrected, no decay): an implementation of Adam's equations of its own."""
+    p = theta.clone().requires_grad_(True)
+    opt = torch.optim.Adam([p], lr=lr, betas=betas, eps=eps, foreach=False)
+    for G in gs:
+        p.grad = G.clone()
+        opt.step()
+    return p.detach()
+
+
+def test_bias_corrected_tans_base_update_follows_adams_equations_for_three_steps():
+    """Base update only (gamma_ns 0), dense 4 x 6, lr 0.05, 3 steps. Adam's equations in float64:
+    v = b2 v + (1-b2) g^2, v^ = v / (1-b2^t), gh = g / (sqrt(v^) + eps); m = b1 m + (1-b1) gh, m^ = m / (1-b1^t);
+    U = (1-b1) gh + b1 m^ (TANS's Nesterov form), theta -= lr sqrt(out/in) U. With b1 = 0 that is Adam itself
+    (torch.optim.Adam, betas (0, b2)); with any b1 the first step is Adam's first step, g / (|g| + eps)."""
+    shape, lr, eps = (4, 6), 0.05, 1e-5
+    fan = math.sqrt(shape[0] / shape[1])
+    theta = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(41))
+    gs = grads(shape, 3, seed=42)
+    for b1, b2 in ((0.9, 0.999), (0.0, 0.95)):
+        hp = TansHParams(bias_correction=True, gamma_ns=0.0, beta1=b1, beta2=b2, eps=eps)
+        got, state = run_rule(step_tans, hp, theta, gs, None, None, lr=lr, rule="tans")
+        want, m, v = theta.clone(), torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+        for t, g in enumerate(gs, start=1):
+            v = b2 * v + (1 - b2) * g * g
+            gh = g / ((v / (1 - b2 ** t)).sqrt() + eps)
+            m = b1 * m + (1 - b1) * gh
+            want = want - lr * fan * ((1 - b1) * gh + b1 * m / (1 - b1 ** t))
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+        assert int(state["step"]) == 3
+        first, _ = run_rule(step_tans, hp, theta, gs[:1], None, None, lr=lr, rule="tans")
+        torch.testing.assert_close(first.double(), _torch_adam64(theta, gs[:1], lr * fan, (0.9, b2), eps),
+                                   rtol=0, atol=1e-6)
+        if b1 == 0.0:
+            torch.testing.assert_close(got.double(), _torch_adam64(theta, gs, lr * fan, (0.0, b2), eps),
+                                       rtol=0, atol=1e-6)
+        # The paper's TANS (no correction) steps differently: the correction is what these numbers measure.
+        plain, _ = run_rule(step_tans, dataclasses.replace(hp, bias_correction=False), theta, gs, None, None, lr=lr,
+                            rule="tans")
+        assert (plain.double() - want).abs().max() > 1e-3
+
+
 def test_dense_tans_with_no_index_equals_the_reference_with_a_mask_of_ones():
     shape = (12, 20)
     theta = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(31))

@@ -2,7 +2,8 @@
 
     python tools/bench_quality.py --data data/pydocs4k --methods dense_adamw,chts24_1of4_row,chtsnm_1of4_row \\
         --model small_tied --steps 1500 --json runs/quality/quality.json --plot runs/quality/quality.png \\
-        [--lr-sweep chtsnm_1of4_row [--lr-scales 0.5,1,2] [--dense-lr-scales 1,2,4] [--sweep-steps 1500]] \\
+        [--lr-sweep chtsnm_1of4_row [--lr-scales 0.5,1,2] [--dense-lr-scales 1,2,4] [--branch-lr-scales 0.5,1,2]
+         [--sweep-steps 1500]] \\
         [--force] [--nproc 1] [--eval-points 10] [--out-root runs/quality]
 
 Every method is one run of launch/pretrain.py in a subprocess (plain `python` for one process, the `deepspeed`
@@ -30,6 +31,12 @@ decide a comparison of backbones. Short sweeps are cheap but biased towards high
 loses in the schedule's tail); with --sweep-steps equal to --steps every sweep point is a full run, evaluated at
 the comparison's token counts, and the best one is the method's result (no extra run). The JSON records every
 point, the chosen pair and whether it lies on the grid's edge (then the grid should be widened).
+
+Branch rate (--branch-lr-scales, issue 28): a third axis for the swept methods that have a branch: every factor of
+the preset's dense-side `train.lr` becomes `method.branch_lr`, the branch's own DeepSpeed group (one run per triple,
+directories `sweep_b<b>_d<d>_r<r>`). It is a multiple of the preset's train.lr, not of the point's, so the branch
+rate is swept independently of the dense side's, as the other two are of each other. Methods without a branch, and
+every method without the flag, keep the preset's method.branch_lr (null: the branch on train.lr, the paper's coupling).
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
 `train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
@@ -95,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"backbone LR (method.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
     p.add_argument("--dense-lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
                    help=f"dense-side LR (train.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
+    p.add_argument("--branch-lr-scales", default="", metavar="S,...",
+                   help="branch LR (method.branch_lr) factors of the preset's train.lr: a third sweep axis for the "
+                        "swept methods with a branch (default: none, the preset's method.branch_lr)")
     p.add_argument("--sweep-steps", type=int, default=None,
                    help=f"steps per sweep run (default steps // {SWEEP_STEP_FRACTION}); equal to --steps, the "
                         "best sweep run is the method's result")
@@ -115,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lr_sweep = _split_names(args.lr_sweep)
     args.lr_scales = _parse_scales(args.lr_scales, "--lr-scales")
     args.dense_lr_scales = _parse_scales(args.dense_lr_scales, "--dense-lr-scales")
+    args.branch_lr_scales = _parse_scales(args.branch_lr_scales, "--branch-lr-scales") \
+        if args.branch_lr_scales.strip() else []
     if args.sweep_steps is None:
         args.sweep_steps = args.steps // SWEEP_STEP_FRACTION
     args.out_root = str(Path(args.out_root).resolve())   # the subprocess runs in the repository root
@@ -155,6 +167,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.micro_batch % args.nproc:
         raise ValueError(f"--micro-batch: got {args.micro_batch} with --nproc {args.nproc}; allowed: a multiple "
                          f"of --nproc (each rank takes micro_batch / nproc sequences)")
+    if args.branch_lr_scales and not args.lr_sweep:
+        raise ValueError(f"--branch-lr-scales: got {','.join(f'{r:g}' for r in args.branch_lr_scales)} without "
+                         "--lr-sweep; allowed: with --lr-sweep (a sweep axis of the swept methods with a branch)")
     if args.lr_sweep and not 1 <= args.sweep_steps <= args.steps:
         raise ValueError(f"--sweep-steps: got {args.sweep_steps} with --steps {args.steps}; allowed: 1 to --steps "
                          f"(default steps // {SWEEP_STEP_FRACTION})")
@@ -176,6 +191,7 @@ class RunSpec:
     lr: float                   # method.lr (backbone)
     dense_lr: float             # train.lr (DeepSpeed side)
     out_dir: Path
+    branch_lr: float | None = None   # method.branch_lr; None: the preset's
 
 
 @dataclass
@@ -212,10 +228,16 @@ def preset_lrs(method: str, overrides: list[str]) -> tuple[float, float]:
     return cfg.method.lr, cfg.train.lr
 
 
+def has_branch(method: str, overrides: list[str]) -> bool:
+    from distsparse.config import load_config
+    return load_config(None, [*overrides, f"method.preset={method}"]).method.branch.kind != "none"
+
+
 def run_overrides(args: argparse.Namespace, run: RunSpec) -> list[str]:
+    branch = [] if run.branch_lr is None else [f"method.branch_lr={run.branch_lr!r}"]
     return [*base_overrides(args), f"method.preset={run.method}", f"method.lr={run.lr!r}",
-            f"train.lr={run.dense_lr!r}", f"train.steps={run.steps}", f"train.eval_interval={run.eval_interval}",
-            f"train.out_dir={run.out_dir}"]
+            f"train.lr={run.dense_lr!r}", *branch, f"train.steps={run.steps}",
+            f"train.eval_interval={run.eval_interval}", f"train.out_dir={run.out_dir}"]
 
 
 def run_command(args: argparse.Namespace, run: RunSpec) -> list[str]:
@@ -249,7 +271,8 @@ def _earlier_config(run: RunSpec) -> dict | None:
     """The config of the run that finished in run.out_dir (without train.out_dir); None when none did."""
     if not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
         return None
-    found = json.loads((run.out_dir / "config.json").read_text())
+    from distsparse.config import with_added_keys
+    found = with_added_keys(json.loads((run.out_dir / "config.json").read_text()))   # runs of an older checkout
     found.get("train", {}).pop("out_dir", None)
     return found
 
@@ -355,39 +378,56 @@ def read_curve(tb_dir: Path, tokens_per_step: int) -> list[list[float]]:
 
 # ---- one method ------------------------------------------------------------------------------------------
 
-def sweep_specs(args: argparse.Namespace, method: str) -> dict[tuple[float, float], RunSpec]:
-    """The runs of `method`'s LR sweep, by (backbone scale, dense-side scale)."""
+def branch_scales(args: argparse.Namespace, method: str) -> list[float | None]:
+    """The branch-rate axis of `method`'s sweep: --branch-lr-scales for a method with a branch, else [None]."""
+    return list(args.branch_lr_scales) if args.branch_lr_scales and has_branch(method, base_overrides(args)) \
+        else [None]
+
+
+def _point_name(b: float, d: float, r: float | None) -> str:
+    return f"b{b:g}_d{d:g}" + ("" if r is None else f"_r{r:g}")
+
+
+def _point_key(b: float, d: float, r: float | None) -> tuple[float, ...]:
+    return (b, d) if r is None else (b, d, r)
+
+
+def sweep_specs(args: argparse.Namespace, method: str) -> dict[tuple[float, ...], RunSpec]:
+    """The runs of `method`'s LR sweep, by (backbone scale, dense-side scale[, branch scale])."""
     lr, dense_lr = preset_lrs(method, base_overrides(args))
     full_length = args.sweep_steps == args.steps
     # A full-length point may be the result, so it is evaluated at the comparison's token counts.
     sweep_eval = args.steps // args.eval_points if full_length else args.sweep_steps
-    return {(b, d): RunSpec(f"{method} b{b:g} d{d:g}", method, args.sweep_steps, sweep_eval, lr * b, dense_lr * d,
-                            Path(args.out_root) / method / f"sweep_b{b:g}_d{d:g}")
-            for b in args.lr_scales for d in args.dense_lr_scales}
+    return {_point_key(b, d, r): RunSpec(f"{method} {_point_name(b, d, r).replace('_', ' ')}", method, args.sweep_steps,
+                               sweep_eval, lr * b, dense_lr * d, Path(args.out_root) / method /
+                               f"sweep_{_point_name(b, d, r)}", None if r is None else dense_lr * r)
+            for b in args.lr_scales for d in args.dense_lr_scales for r in branch_scales(args, method)}
 
 
-def full_spec(args: argparse.Namespace, method: str, scale: float, dense_scale: float) -> RunSpec:
-    """The full-length run of `method` at `scale` x its preset's method.lr and `dense_scale` x train.lr."""
+def full_spec(args: argparse.Namespace, method: str, scale: float, dense_scale: float,
+              branch_scale: float | None = None) -> RunSpec:
+    """The full-length run of `method` at `scale` x its preset's method.lr and `dense_scale` x train.lr (and
+    method.branch_lr = `branch_scale` x train.lr, unless None: the preset's)."""
     lr, dense_lr = preset_lrs(method, base_overrides(args))
     return RunSpec(method, method, args.steps, args.steps // args.eval_points, lr * scale, dense_lr * dense_scale,
-                   Path(args.out_root) / method / "full")
+                   Path(args.out_root) / method / "full", None if branch_scale is None else dense_lr * branch_scale)
 
 
 def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, Any]:
     """Train `method` (after its LR sweep, if asked) and return its JSON entry."""
     entry: dict[str, Any] = {}
-    scale, dense_scale, chosen = 1.0, 1.0, None
+    scale, dense_scale, branch_scale, chosen = 1.0, 1.0, None, None
     if method in args.lr_sweep:
         full_length = args.sweep_steps == args.steps
-        outcomes = {}   # (backbone scale, dense-side scale) -> (spec, outcome)
+        outcomes = {}   # (backbone scale, dense-side scale[, branch scale]) -> (spec, outcome)
         specs = sweep_specs(args, method)
-        for i, ((b, d), spec) in enumerate(specs.items(), start=1):
+        for i, (key, spec) in enumerate(specs.items(), start=1):
+            b, d, r = (*key, None)[:3]
+            branch = "" if r is None else f", branch x{r:g} (method.branch_lr {spec.branch_lr:.3g})"
             print(f"{label}: LR sweep {i}/{len(specs)}: backbone x{b:g} (method.lr {spec.lr:.3g}), dense side "
-                  f"x{d:g} (train.lr {spec.dense_lr:.3g}), {args.sweep_steps} steps", flush=True)
-            outcomes[(b, d)] = (spec, train(args, spec))
-        points = [{"lr_scale": b, "dense_lr_scale": d, "lr": spec.lr, "dense_lr": spec.dense_lr,
-                   "final_ppl": outcome.final_ppl, "skipped": outcome.skipped}
-                  for (b, d), (spec, outcome) in outcomes.items()]
+                  f"x{d:g} (train.lr {spec.dense_lr:.3g}){branch}, {args.sweep_steps} steps", flush=True)
+            outcomes[key] = (spec, train(args, spec))
+        points = [sweep_point(key, spec, outcome) for key, (spec, outcome) in outcomes.items()]
         # Per method: invocations that extend one JSON may sweep different methods differently.
         entry["lr_sweep"] = {"steps": args.sweep_steps, "points": points}
         finished = [p for p in points if p["final_ppl"] is not None]
@@ -396,24 +436,35 @@ def run_method(args: argparse.Namespace, method: str, label: str) -> dict[str, A
             return {"final_ppl": None, "curve": [], "lr": lr, "dense_lr": dense_lr,
                     "skipped": "LR sweep: no sweep run finished", **entry}
         best = min(finished, key=lambda p: p["final_ppl"])
-        scale, dense_scale = best["lr_scale"], best["dense_lr_scale"]
-        # [backbone, dense side]; on the edge of the grid the optimum may lie outside it.
-        entry["lr_sweep"].update(chosen_scales=[scale, dense_scale],
+        scale, dense_scale, branch_scale = best["lr_scale"], best["dense_lr_scale"], best.get("branch_lr_scale")
+        # [backbone, dense side(, branch)]; on the edge of the grid the optimum may lie outside it.
+        entry["lr_sweep"].update(chosen_scales=[scale, dense_scale, *([] if branch_scale is None else [branch_scale])],
                                  chosen_on_edge=on_grid_edge(scale, args.lr_scales) or
-                                 on_grid_edge(dense_scale, args.dense_lr_scales))
-        print(f"{label}: LR sweep chose backbone x{scale:g}, dense side x{dense_scale:g}", flush=True)
+                                 on_grid_edge(dense_scale, args.dense_lr_scales) or
+                                 (branch_scale is not None and on_grid_edge(branch_scale, args.branch_lr_scales)))
+        branch = "" if branch_scale is None else f", branch x{branch_scale:g}"
+        print(f"{label}: LR sweep chose backbone x{scale:g}, dense side x{dense_scale:g}{branch}", flush=True)
         if full_length:
-            chosen = outcomes[(scale, dense_scale)]
+            chosen = outcomes[_point_key(scale, dense_scale, branch_scale)]
     if chosen is not None:
         spec, outcome = chosen
     else:
-        spec = full_spec(args, method, scale, dense_scale)
+        spec = full_spec(args, method, scale, dense_scale, branch_scale)
         outcome = train(args, spec)
     wall_s = round(outcome.wall_s, 1) if outcome.wall_s is not None else None
+    branch = {} if spec.branch_lr is None else {"branch_lr": spec.branch_lr}
     return {"final_ppl": outcome.final_ppl, "curve": outcome.curve, "lr": spec.lr, "dense_lr": spec.dense_lr,
-            "skipped": outcome.skipped, "final_val_loss": outcome.final_val_loss,
+            **branch, "skipped": outcome.skipped, "final_val_loss": outcome.final_val_loss,
             "final_train_loss": outcome.final_train_loss, "wall_s": wall_s, "nproc": args.nproc,
             "run_dir": str(spec.out_dir), **entry}
+
+
+def sweep_point(key: tuple[float, ...], spec: RunSpec, outcome: RunOutcome) -> dict[str, Any]:
+    """One sweep point of the JSON: its scales, rates and final PPL (the branch's only on that axis)."""
+    point = {"lr_scale": key[0], "dense_lr_scale": key[1], "lr": spec.lr, "dense_lr": spec.dense_lr}
+    if len(key) > 2:
+        point.update(branch_lr_scale=key[2], branch_lr=spec.branch_lr)
+    return {**point, "final_ppl": outcome.final_ppl, "skipped": outcome.skipped}
 
 
 def on_grid_edge(scale: float, scales: list[float]) -> bool:
@@ -490,19 +541,23 @@ def print_results(methods: dict[str, dict]) -> None:
 
 def sweep_note(entry: dict) -> str:
     """`sweep (1500 steps) b0.5: d1 63.67 d2 60.12; b1: d1 58.40 d2 57.93 | best b1 d2 (edge)`: every point's
-    final PPL by backbone scale b and dense-side scale d, and the chosen pair; "" for an unswept method."""
+    final PPL by backbone scale b and dense-side scale d (and branch scale r: `d1r0.5`), and the chosen pair;
+    "" for an unswept method."""
     if "lr_sweep" not in entry:
         return ""
     sweep = entry["lr_sweep"]
     rows: dict[float, list[str]] = {}
     for p in sweep["points"]:
         ppl = f"{p['final_ppl']:.2f}" if p["final_ppl"] is not None else "failed"
-        rows.setdefault(p["lr_scale"], []).append(f"d{p['dense_lr_scale']:g} {ppl}")
+        branch = f"r{p['branch_lr_scale']:g}" if "branch_lr_scale" in p else ""
+        rows.setdefault(p["lr_scale"], []).append(f"d{p['dense_lr_scale']:g}{branch} {ppl}")
     grid = "; ".join(f"b{b:g}: {' '.join(cells)}" for b, cells in rows.items())
     note = f"sweep ({sweep['steps']} steps) {grid}"
     if "chosen_scales" in sweep:
         edge = " (edge)" if sweep["chosen_on_edge"] else ""
-        note += f" | best b{sweep['chosen_scales'][0]:g} d{sweep['chosen_scales'][1]:g}{edge}"
+        chosen = sweep["chosen_scales"]
+        branch = f" r{chosen[2]:g}" if len(chosen) > 2 else ""
+        note += f" | best b{chosen[0]:g} d{chosen[1]:g}{branch}{edge}"
     return note
 
 

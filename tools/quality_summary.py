@@ -3,6 +3,12 @@ final validation PPL over (backbone scale b, dense-side scale d) at seed 0, its 
 interior; the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
 whether it holds on every seed (the same seeds, each one ordered the same way).
 
+A third axis, the branch's own rate (bench_quality --branch-lr-scales: `sweep_b<b>_d<d>_r<r>`, method.branch_lr =
+r x the preset's train.lr), makes the grid a set of (b, d, r) points; the best point is chosen over all of them and
+is interior when finished points surround it on each of its axes. Runs without r (the branch on train.lr, or no
+branch) are points of a method's b x d grid as before; a run recorded before method.branch_lr existed reads as one
+with it null (distsparse.config.ADDED_KEYS).
+
     python tools/quality_summary.py --root docs/results/quality_small_tied --json docs/results/quality_small_tied.json
 
 Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
@@ -32,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
+from distsparse.config import with_added_keys
 from distsparse.utils import config_differences
 
 SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
-RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})")
+RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})(?:_r(?P<r>{SCALE}))?")
 SEED_DIR = re.compile(r"seed(?P<seed>[0-9]+)")
 
 
@@ -54,19 +61,20 @@ def protocol(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Every run directory under `root` as {seed, method, b, d, lr, dense_lr, finished, ppl (None: unfinished or
-    diverged), path}, and the protocol they share; raises ValueError naming a run whose protocol, method settings,
-    learning rates at its pair or seed differ."""
+    """Every run directory under `root` as {seed, method, b, d, r (None: no branch axis), lr, dense_lr, branch_lr,
+    finished, ppl (None: unfinished or diverged), path}, and the protocol they share; raises ValueError naming a run
+    whose protocol, method settings, learning rates at its point or seed differ."""
     runs: list[dict[str, Any]] = []
     seen: dict[tuple, tuple[Path, dict[str, Any]]] = {}   # what was checked -> (first finished run, its value)
     for run_dir in sorted(root.glob("seed*/*/sweep_*")):
         seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), RUN_DIR.fullmatch(run_dir.name)
         if seed_match is None or name_match is None or not (run_dir / "config.json").is_file():
             continue
-        config = json.loads((run_dir / "config.json").read_text())
+        config = with_added_keys(json.loads((run_dir / "config.json").read_text()))
         seed, method = int(seed_match["seed"]), run_dir.parent.name
         b, d = float(name_match["b"]), float(name_match["d"])
-        lr, dense_lr = config["method"]["lr"], config["train"]["lr"]
+        r = float(name_match["r"]) if name_match["r"] is not None else None
+        lr, dense_lr, branch_lr = config["method"]["lr"], config["train"]["lr"], config["method"]["branch_lr"]
         if config["train"]["seed"] != seed or config["method"]["preset"] != method:
             raise ValueError(f"{run_dir}: config.json holds train.seed {config['train']['seed']} and method.preset "
                              f"{config['method']['preset']!r}; allowed: the seed and method its path names")
@@ -75,12 +83,14 @@ def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         finished = result is not None and result["step"] == config["train"]["steps"]
         if finished:   # an unfinished run's config may be of an earlier protocol that a rerun will replace
             _check_same(seen, ("protocol",), protocol(config), run_dir, "another protocol")
-            _check_same(seen, ("method", method), {"method": {k: v for k, v in config["method"].items() if k != "lr"}},
-                        run_dir, "other method settings")
-            _check_same(seen, ("rates", method, b, d), {"method.lr": lr, "train.lr": dense_lr}, run_dir,
-                        f"other learning rates at b{b:g} d{d:g}")
+            settings = {k: v for k, v in config["method"].items() if k not in ("lr", "branch_lr")}
+            _check_same(seen, ("method", method), {"method": settings}, run_dir, "other method settings")
+            _check_same(seen, ("rates", method, b, d, r),
+                        {"method.lr": lr, "train.lr": dense_lr, "method.branch_lr": branch_lr}, run_dir,
+                        f"other learning rates at {_point_label(b, d, r)}")
         ppl = result["final/val_ppl"] if finished else None
-        runs.append({"seed": seed, "method": method, "b": b, "d": d, "lr": lr, "dense_lr": dense_lr,
+        runs.append({"seed": seed, "method": method, "b": b, "d": d, "r": r, "lr": lr, "dense_lr": dense_lr,
+                     "branch_lr": branch_lr,
                      "finished": finished, "ppl": ppl if ppl is not None and math.isfinite(ppl) else None,
                      "path": str(run_dir)})
     return runs, seen[("protocol",)][1] if ("protocol",) in seen else None
@@ -97,10 +107,14 @@ def _check_same(seen: dict[tuple, tuple[Path, dict[str, Any]]], key: tuple, valu
 
 
 def interior(best: dict[str, Any], grid: list[dict[str, Any]]) -> bool:
-    """True when finished points surround `best` on both axes (same d on both sides of its b, and vice versa)."""
-    same_d = [p["b"] for p in grid if p["d"] == best["d"]]
-    same_b = [p["d"] for p in grid if p["b"] == best["b"]]
-    return (min(same_d) < best["b"] < max(same_d)) and (min(same_b) < best["d"] < max(same_b))
+    """True when finished points surround `best` on each of its axes (the same d and r on both sides of its b, the
+    same b and r on both sides of its d, and, with a branch axis, the same b and d on both sides of its r)."""
+    axes = ("b", "d") if best.get("r") is None else ("b", "d", "r")
+    for axis in axes:
+        line = [p[axis] for p in grid if all(p.get(a) == best.get(a) for a in ("b", "d", "r") if a != axis)]
+        if not min(line) < best[axis] < max(line):
+            return False
+    return True
 
 
 def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,7 +123,7 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
     grid = [r for r in runs if r["seed"] == 0 and r["ppl"] is not None]
     best = min(grid, key=lambda r: r["ppl"]) if grid else None
     entry: dict[str, Any] = {
-        "grid": [{k: r[k] for k in ("b", "d", "lr", "dense_lr", "ppl")} for r in sorted(grid, key=_pair)],
+        "grid": [_grid_point(r) for r in sorted(grid, key=_sort_key)],
         "missing": sorted(_label(r) for r in runs if not r["finished"]),
         "diverged": sorted(_label(r) for r in runs if r["finished"] and r["ppl"] is None),
         "off_pair": sorted(_label(r) for r in runs if r["seed"] != 0 and r["ppl"] is not None
@@ -118,7 +132,7 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return entry
     seeds = {r["seed"]: r["ppl"] for r in runs if _pair(r) == _pair(best) and r["ppl"] is not None}
     values = list(seeds.values())
-    entry.update(best={"b": best["b"], "d": best["d"], "lr": best["lr"], "dense_lr": best["dense_lr"]},
+    entry.update(best={k: v for k, v in _grid_point(best).items() if k != "ppl"},
                  best_interior=interior(best, grid), seeds={str(s): seeds[s] for s in sorted(seeds)},
                  mean=statistics.fmean(values), min=min(values), max=max(values))
     return entry
@@ -152,32 +166,52 @@ def summarize(root: Path) -> dict[str, Any]:
     return {"config": {"root": str(root), "protocol": shared}, "methods": methods, "orderings": orderings(methods)}
 
 
-def _pair(run: dict[str, Any]) -> tuple[float, float]:
-    return run["b"], run["d"]
+def _pair(run: dict[str, Any]) -> tuple[float, float, float | None]:
+    """The run's point: (b, d, r), r None without a branch axis."""
+    return run["b"], run["d"], run.get("r")
+
+
+def _sort_key(run: dict[str, Any]) -> tuple[float, float, float]:
+    r = run.get("r")
+    return run["b"], run["d"], -1.0 if r is None else r
+
+
+def _grid_point(run: dict[str, Any]) -> dict[str, Any]:
+    """A point of the JSON grid; r and branch_lr only on a branch axis, so a b x d grid keeps its layout."""
+    point = {k: run[k] for k in ("b", "d", "lr", "dense_lr")}
+    if run.get("r") is not None:
+        point.update(r=run["r"], branch_lr=run["branch_lr"])
+    return {**point, "ppl": run["ppl"]}
+
+
+def _point_label(b: float, d: float, r: float | None) -> str:
+    return f"b{b:g} d{d:g}" + ("" if r is None else f" r{r:g}")
 
 
 def _label(run: dict[str, Any]) -> str:
-    return f"seed{run['seed']} b{run['b']:g} d{run['d']:g}"
+    return f"seed{run['seed']} {_point_label(*_pair(run))}"
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     for method, entry in summary["methods"].items():
         ds = sorted({p["d"] for p in entry["grid"]})
         bs = sorted({p["b"] for p in entry["grid"]})
+        rs = sorted({p.get("r") for p in entry["grid"]}, key=lambda r: -1.0 if r is None else r)
         cell = {_pair(p): p["ppl"] for p in entry["grid"]}
-        print(f"\n{method}: seed-0 final val PPL, rows backbone scale b, columns dense-side scale d")
         if not entry["grid"]:
-            print("no finished run")
-        else:
+            print(f"\n{method}: no finished run")
+        for r in rs:   # one b x d table per branch scale (None: no branch axis)
+            at = "" if r is None else f", branch scale r{r:g}"
+            print(f"\n{method}: seed-0 final val PPL, rows backbone scale b, columns dense-side scale d{at}")
             print_table(["b", *(f"d{d:g}" for d in ds)],
-                        [[f"b{b:g}", *(cell.get((b, d), "-") for d in ds)] for b in bs])
+                        [[f"b{b:g}", *(cell.get((b, d, r), "-") for d in ds)] for b in bs])
         if entry["missing"]:
             print(f"unfinished: {', '.join(entry['missing'])}")
         if entry["diverged"]:
             print(f"diverged (non-finite PPL, not ranked): {', '.join(entry['diverged'])}")
         if entry["off_pair"]:
             print(f"not at the best pair (not used): {', '.join(entry['off_pair'])}")
-    rows = [[m, f"b{e['best']['b']:g} d{e['best']['d']:g}", "yes" if e["best_interior"] else "no (edge)",
+    rows = [[m, _point_label(*_pair(e["best"])), "yes" if e["best_interior"] else "no (edge)",
              len(e["seeds"]), e["mean"], e["min"], e["max"]]
             for m, e in sorted(summary["methods"].items(), key=lambda kv: kv[1].get("mean", float("inf")))
             if "mean" in e]

@@ -23,6 +23,14 @@ the call). `hold_threshold` does the same after a checkpoint load: DeepSpeed's `
 threshold, which a resume may have changed (train.grad_clip) or a checkpoint written before the joint step existed
 holds rescaled; a save before the next step would write it again. The norm it hands over
 is a CPU tensor: DeepSpeed's own validity check of it (`is_invalid_grad_norm`, a bool()) then costs no device sync.
+
+Linking the Adam state by parameter (what dense_state.py reads through `safe_get_full_optimizer_state`): 0.19.8's
+`_optimizer_step(i)` steps one parameter group at a time and calls `_lazy_init_hp_params_optimizer_state` right
+after group 0's first step. That links every group to its Adam state once (a flag), but torch's AdamW and
+DeepSpeed's FusedAdam create a group's state in its own first step, so groups 1.. are linked to empty state for
+good ("exp_avg not found" at the next save) whenever the dense side has more than one group (method.branch_lr).
+`step` links again after the first applied step, when every group's state exists. A checkpoint load links on the
+next step with every group's state already loaded (or dense_state._ensure_optimizer_state links it).
 """
 
 from __future__ import annotations
@@ -101,12 +109,16 @@ class DeepSpeedSide:
         opt.check_overflow = check_overflow
         opt.check_grad_overflow = True
         self.hold_threshold()
+        first_link = not opt._hp_optimizer_states_linked
         try:
             self.engine.step()
         finally:
             del opt.scaled_global_norm, opt.check_overflow   # the class methods again
             opt.check_grad_overflow = saved_check
             self.hold_threshold()
+        if first_link and opt._hp_optimizer_states_linked:   # linked after group 0's step only (docstring)
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
         applied = self.engine.was_step_applied()
         if applied == skip:
             raise RuntimeError(f"DeepSpeed step applied: {applied}, joint step asked to skip: {skip} "

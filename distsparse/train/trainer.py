@@ -25,6 +25,7 @@ from distsparse.checkpoint import CheckpointManager, resume_changes
 from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
+from distsparse.layers.projection import SparseProjection
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
@@ -52,11 +53,32 @@ class TrainResult:
     preempted: bool = False
 
 
-def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.Module]) -> list[dict]:
-    """Parameter groups handed to DeepSpeed: everything but the backbone matrices (DESIGN decision 1)."""
+def branch_parameter_names(model: torch.nn.Module) -> list[str]:
+    """Names of the residual branches' parameters (CoMoLoRA, LoRA, ...): those under a SparseProjection's `branch`."""
+    return [f"{name}.branch.{pname}" for name, m in model.named_modules()
+            if isinstance(m, SparseProjection) and m.branch is not None
+            for pname, p in m.branch.named_parameters() if p.requires_grad]
+
+
+def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.Module], *,
+                          branch_lr: float | None = None, branch_weight_decay: float | None = None) -> list[dict]:
+    """Parameter groups handed to DeepSpeed: everything but the backbone matrices (DESIGN decision 1). With a
+    branch rate or decay of their own (method.branch_lr, method.branch_weight_decay) the branch parameters form a
+    second group carrying them; DeepSpeed's AdamW reads `lr` and `weight_decay` per group, and the LambdaLR
+    scheduler scales each group's own initial lr by the one schedule factor."""
     excluded = {id(backbone_param(m)) for m in backbone.values()}
     params = [p for p in model.parameters() if id(p) not in excluded and p.requires_grad]
-    return [{"params": params}]
+    if branch_lr is None and branch_weight_decay is None:
+        return [{"params": params}]
+    named = dict(model.named_parameters())
+    branch = {id(named[n]) for n in branch_parameter_names(model)}
+    assert branch, "a branch rate or decay without branch parameters (MethodConfig refuses it)"
+    group = {"params": [p for p in params if id(p) in branch], "name": "branch"}
+    if branch_lr is not None:
+        group["lr"] = branch_lr
+    if branch_weight_decay is not None:
+        group["weight_decay"] = branch_weight_decay
+    return [{"params": [p for p in params if id(p) not in branch], "name": "dense"}, group]
 
 
 def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group, *,
@@ -96,7 +118,8 @@ class Trainer:
         initial = {name: backbone_param(m).detach().float().clone() for name, m in self.backbone.items()}
         self.engine, _, _, _ = deepspeed.initialize(
             args=deepspeed_device_args(), model=self.model,
-            model_parameters=dense_side_parameters(self.model, self.backbone),
+            model_parameters=dense_side_parameters(self.model, self.backbone, branch_lr=cfg.method.branch_lr,
+                                                   branch_weight_decay=cfg.method.branch_weight_decay),
             config=ds_config, lr_scheduler=self._dense_scheduler)
         self.device = self.engine.device
         self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group(), initial=initial, device=self.device)
