@@ -402,9 +402,16 @@ def main(argv: list[str] | None = None) -> dict:
     return prepare(cfg, runner)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """The command line (`python -m data_prep.prepare`, console script `distsparse-prepare`): exit status 0, or 2
+    on bad input with one line naming the file or option and no traceback."""
     try:
-        main()
-    except ValueError as err:   # bad input: one line naming the file or option, no traceback
+        main(argv)
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

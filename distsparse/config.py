@@ -6,12 +6,14 @@ of the wrong type fails with a message naming the key, the value and what is all
 configurator behaviour, torchtitan's dataclass layout).
 
 Presets: `model: {preset: 60m}` loads configs/model/60m.yaml, `method: {preset: chts24_1of4_row}` loads
-configs/method/chts24_1of4_row.yaml; keys given next to `preset` override the file.
+configs/method/chts24_1of4_row.yaml; keys given next to `preset` override the file. The configs are package data
+(distsparse/configs; `configs/` in a checkout is a link to it), so an installed wheel finds them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import math
 import re
 import types
@@ -29,13 +31,14 @@ from distsparse.optim.matrix_state import RESET_MODES
 from distsparse.optim.rules import RULES as RULE_REGISTRY
 from distsparse.topology import RefreshParams
 
-CONFIG_ROOT = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_ROOT = Path(str(importlib.resources.files("distsparse") / "configs"))
 BACKBONE_MODES = ("sparse", "dense", "ste", "srste", "cast")
 RULES = tuple(RULE_REGISTRY)
 DTYPES = ("fp32", "bf16", "auto")
 BRANCH_KINDS = ("none", "add", "add_align", "prod_gate", "como")
 PERMUTATION_MODES = ("none", "identity", "random", "learned")
 BUDGET_COUNTS = ("all", "low_rank")
+WANDB_MODES = ("disabled", "online", "offline")
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> None:
@@ -377,6 +380,25 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    """Weights & Biases beside TensorBoard (rank 0). offline: files under <train.out_dir>/wandb for `wandb sync`."""
+    mode: str = "disabled"
+    project: str = ""
+    name: str = ""                     # "": W&B's generated name
+
+    def __post_init__(self) -> None:
+        _choice("logging.wandb.mode", self.mode, WANDB_MODES)
+        if self.mode != "disabled" and not self.project:
+            raise ValueError(f"logging.wandb.project: got ''; allowed: a project name when logging.wandb.mode is "
+                             f"{self.mode}")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass(kw_only=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -385,6 +407,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # ---- building from dicts -------------------------------------------------------------------------------
@@ -489,13 +512,28 @@ def parse_override(item: str) -> dict:
     return value
 
 
+def shipped_or_given(given: str | Path, folder: str, suffix: str, option: str) -> Path:
+    """The file `given` names, or the one the package ships: a bare name (`zero2`, `zero2.json`) or the
+    documented relative path (`configs/ds/zero2.json`) finds configs/<folder>/ from any working directory, so an
+    installed package runs the README's commands. Any other missing path is refused."""
+    p = Path(given)
+    if p.exists():
+        return p
+    name = p.name if p.name.endswith(suffix) else p.name + suffix
+    documented = p.parent == Path(".") or p.parent.parts[-2:] == ("configs", folder)
+    if documented and (CONFIG_ROOT / folder / name).exists():
+        return CONFIG_ROOT / folder / name
+    shipped = sorted(q.stem for q in (CONFIG_ROOT / folder).glob(f"*{suffix}"))
+    raise ValueError(f"{option}: got {str(given)!r}; the file does not exist; allowed: a path to a file or a "
+                     f"name the package ships in configs/{folder}/: {', '.join(shipped)}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """YAML file (optional) + `key=value` overrides -> validated Config."""
+    """YAML file (optional; a path, or an experiment the package ships) + `key=value` overrides -> validated
+    Config."""
     raw: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ValueError(f"--config: got {str(p)!r}; the file does not exist")
+        p = shipped_or_given(path, "experiments", ".yaml", "--config")
         raw = read_yaml_file(p, "--config") or {}
         if not isinstance(raw, dict):
             raise ValueError(f"--config {p}: got a YAML {type(raw).__name__}; allowed: {CONFIG_MAPPING}")

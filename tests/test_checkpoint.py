@@ -105,7 +105,7 @@ def _train_single(data_dir, out_dir, overrides):
     """One process: a fresh world of one through the launcher's own single-process path."""
     import subprocess
     import sys
-    script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
+    script = "import sys; from distsparse.cli.pretrain import main; sys.exit(main(sys.argv[1:]))"
     args = [sys.executable, "-c", script, "--ds_config", "configs/ds/zero2.json"] + BASE + [
         f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides
     # A world of one even inside a multi-task SLURM allocation (launch_env would refuse an unplaceable launch).

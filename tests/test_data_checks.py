@@ -86,7 +86,7 @@ def test_a_negative_seed_is_refused(data_dir):
     ("train.seed=-1", ["train.seed: got -1"]),
 ])
 def test_the_launcher_refuses_them_in_one_line_before_any_process_group(data_dir, capsys, override, words):
-    from launch.pretrain import main
+    from distsparse.cli.pretrain import main
     rc = main(["--ds_config", str(ROOT / "configs/ds/zero2.json"), f"data.dir={data_dir}", *SEQ, override])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("config error: "), lines

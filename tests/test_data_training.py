@@ -2,6 +2,7 @@
 multi-shard data that trains, evaluates and exports; the shards train with the same sample order on 1 and 2
 ranks; a vocabulary above 65,536 ids gives 4-byte shards; a hub name that is not cached fails saying what to do."""
 
+import importlib
 import json
 import os
 import random
@@ -102,7 +103,7 @@ def _losses(out_dir) -> dict[int, float]:
 
 def _train_one_rank(data_dir, out_dir, overrides):
     """A world of one through the launcher's single-process path."""
-    script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
+    script = "import sys; from distsparse.cli.pretrain import main; sys.exit(main(sys.argv[1:]))"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -139,7 +140,7 @@ def test_hf_tokenized_data_evaluates_and_exports_with_its_tokenizer(trained, hf_
     result = json.loads(report.read_text())
     assert result["ppl"] == pytest.approx(np.exp(result["loss"]), rel=1e-6) and result["tokens"] > 0
     assert result["ppl"] < hf_data["meta"]["vocab_size"]
-    out = import_tool("export_hf").export(trained["two"]["ckpt"], tmp_path / "hf")
+    out = importlib.import_module("distsparse.cli.export_hf").export(trained["two"]["ckpt"], tmp_path / "hf")
     exported, data_tok = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(Path(hf_data["dir"]) /
                                                                                            "tokenizer")
     text = hf_data["texts"][0]
@@ -152,7 +153,7 @@ def test_hf_tokenized_data_evaluates_and_exports_with_its_tokenizer(trained, hf_
     no_pad = tmp_path / "no_pad"
     shutil.copytree(Path(hf_data["dir"]) / "tokenizer", no_pad / "tokenizer")
     (no_pad / "meta.json").write_text(json.dumps({**hf_data["meta"], "pad_id": -1}))
-    out = import_tool("export_hf").export(trained["two"]["ckpt"], tmp_path / "hf_no_pad", no_pad)
+    out = importlib.import_module("distsparse.cli.export_hf").export(trained["two"]["ckpt"], tmp_path / "hf_no_pad", no_pad)
     assert json.loads((out / "config.json").read_text())["pad_token_id"] is None
 
 

@@ -2,6 +2,7 @@
 Hugging Face folder and on a project checkpoint (values, codes and dense side loaded), and lm-evaluation-harness end to
 end on local tasks against hand-computed log-likelihoods."""
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -299,7 +300,7 @@ def reference_zero_shot(model: nn.Module, tokenizer, max_length: int) -> dict[st
 def eval_zeroshot():
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[eval]'")
     pytest.importorskip("accelerate", reason="lm-eval's HFLM needs accelerate: pip install 'lm-eval[hf]'")
-    return import_tool("eval_zeroshot")
+    return importlib.import_module("distsparse.cli.eval_zeroshot")
 
 
 def test_zero_shot_on_a_checkpoint_in_memory_matches_hand_computed_log_likelihoods(checkpoint, eval_zeroshot,

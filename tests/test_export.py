@@ -2,6 +2,7 @@
 AutoModelForCausalLM; input-dependent branches are refused by name; the consolidated file loads strictly into a
 LlamaForCausalLM; files get the mode the umask gives; an export records the run's sequence length (issue 18 item 6)."""
 
+import importlib
 import json
 import os
 import random
@@ -43,7 +44,7 @@ def tok_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tools():
-    return import_tool("export_hf"), import_tool("consolidate")
+    return importlib.import_module("distsparse.cli.export_hf"), import_tool("consolidate")
 
 
 def _train_and_probe(rank, world_size, data_dir, out_dir, overrides):

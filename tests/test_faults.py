@@ -239,7 +239,7 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_the_one_resu
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
               "    return write(self, tmp, engine)\n"
               "manager.CheckpointManager._write_rank_files = killed\n"
-              "from launch.pretrain import main\n"
+              "from distsparse.cli.pretrain import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -293,7 +293,7 @@ def test_schedule_length_intervals_and_batch_split_may_change_and_are_reported(s
 # ---- config files and values: one `config error:` line -----------------------------------------------------
 
 def _launch(args, capsys):
-    from launch.pretrain import main
+    from distsparse.cli.pretrain import main
     rc = main(args)
     return rc, capsys.readouterr().err.strip().splitlines()
 

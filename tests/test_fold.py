@@ -2,6 +2,7 @@
 and the HF export that applies it (tools/export_hf.py): logits before folding are the reference; weights are checked
 against W[perm, :] of the unfolded model, exported weights against the N:M rule and the decompressed values."""
 
+import importlib
 import math
 from types import SimpleNamespace
 
@@ -199,7 +200,7 @@ def test_dense_latent_baselines_fold_with_their_masks_and_scales(preset):
 
 @pytest.fixture(scope="module")
 def export_hf():
-    return import_tool("export_hf")
+    return importlib.import_module("distsparse.cli.export_hf")
 
 
 def save_and_reload(export_hf, model, path):

@@ -217,7 +217,7 @@ def test_the_process_group_starts_on_the_gpu_the_launcher_chose_not_on_cuda_loca
     device_id out of range (cuda:3 with one visible device), which deepspeed.init_distributed alone would hand it."""
     import torch
     import torch.distributed as dist
-    from launch import pretrain
+    from distsparse.cli import pretrain
 
     seen = {}
 

@@ -25,7 +25,7 @@ import torch
 from distsparse.checkpoint import CheckpointManager
 from distsparse.launch_env import free_port
 from distsparse.train.trainer import TrainResult
-from launch import pretrain, slurm
+from distsparse.cli import pretrain, slurm
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,7 +238,7 @@ def test_torchrun_mode_runs_one_task_per_node_each_starting_torchrun_with_a_rend
     assert command[:3] == [slurm.sys.executable, "-m", "torch.distributed.run"]
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id,
             parsed.max_restarts) == ("4", "8", "c10d", "gpu07:41234", "987", 0)
-    assert Path(parsed.training_script) == ROOT / "launch" / "pretrain.py"
+    assert (parsed.module, parsed.training_script) == (True, "distsparse.cli.pretrain")   # works installed too
     worker = pretrain.parse_args(parsed.training_script_args)
     assert (worker.config, worker.ds_config, worker.result_json) == tuple(
         str(tmp_path / "run" / name) for name in ("config.yaml", "ds_config.json", "result.json"))

@@ -22,7 +22,7 @@ MUST_MATCH = (   # a key, or every key under a prefix ending in "."
     "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.tie_word_embeddings",
     "method.name", "method.sparsity", "method.layout", "method.backbone", "method.rule", "method.branch.",
     "method.permutation.mode", "method.permutation.block_size")
-NOT_COMPARED = ("checkpoint.",)   # where and how often this run saves, not what it trains
+NOT_COMPARED = ("checkpoint.", "logging.")   # where this run saves and reports, not what it trains
 
 
 def checkpoint_root(cfg: Config) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from distsparse.config import Config
+from distsparse.config import Config, shipped_or_given
 
 log = logging.getLogger("distsparse")
 SUPPORTED_STAGES = (1, 2)
@@ -59,9 +59,7 @@ def build_ds_config(path: str | Path, cfg: Config) -> dict:
 
 def read_ds_json(path: str | Path) -> dict:
     """The user's DeepSpeed JSON as written, checked to be an object whose sections are objects."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"--ds_config: got {str(p)!r}; the file does not exist")
+    p = shipped_or_given(path, "ds", ".json", "--ds_config")
     try:
         source = json.loads(p.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

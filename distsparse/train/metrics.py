@@ -1,14 +1,20 @@
 """Metrics: one dict per log step, grouped keys (`loss/`, `lr/`, `optim/`, `topology/`, `memory/`, `time/`),
-written to TensorBoard on rank 0 and to nothing elsewhere (torchtitan's BaseLogger / TensorBoardLogger)."""
+written on rank 0 to TensorBoard and, with `logging.wandb.mode` online or offline, to Weights & Biases, and to nothing
+elsewhere (torchtitan's BaseLogger / TensorBoardLogger / WandBLogger)."""
 
 from __future__ import annotations
 
 import resource
+import uuid
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from distsparse.config import Config, config_to_dict
 from distsparse.utils import flatten_config
+
+WANDB_ID_FILE = "wandb_run_id"   # under train.out_dir: a resumed run continues the same W&B run
 
 
 class MetricsWriter(Protocol):
@@ -45,6 +51,59 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbWriter:
+    """One W&B run per train.out_dir: its id is kept in the out dir, so a resume (any world size) appends to it."""
+
+    def __init__(self, cfg: Config):
+        import wandb
+        out_dir = Path(cfg.train.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        id_file = out_dir / WANDB_ID_FILE
+        if not id_file.exists():
+            id_file.write_text(uuid.uuid4().hex[:12])   # W&B ids: [a-z0-9], unique per project
+        w = cfg.logging.wandb
+        self.run = wandb.init(project=w.project, name=w.name or None, mode=w.mode, dir=str(out_dir),
+                              id=id_file.read_text().strip(), resume="allow", config=flatten_config(config_to_dict(cfg)))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def hparams(self, config: dict, metrics: dict[str, float]) -> None:
+        self.run.summary.update(metrics)   # the config went to wandb.init
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class FanOut:
+    """Several writers as one."""
+
+    def __init__(self, writers: list[MetricsWriter]):
+        self.writers = writers
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for w in self.writers:
+            w.log(metrics, step)
+
+    def hparams(self, config: dict, metrics: dict[str, float]) -> None:
+        for w in self.writers:
+            w.hparams(config, metrics)
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.close()
+
+
+def build_writer(cfg: Config, rank: int) -> MetricsWriter:
+    """Rank 0: TensorBoard under <train.out_dir>/tb, plus W&B unless disabled; other ranks: nothing."""
+    if rank != 0:
+        return NullWriter()
+    writers: list[MetricsWriter] = [TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb"))]
+    if cfg.logging.wandb.mode != "disabled":
+        writers.append(WandbWriter(cfg))
+    return writers[0] if len(writers) == 1 else FanOut(writers)
 
 
 def peak_memory_gb() -> float:

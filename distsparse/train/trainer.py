@@ -34,7 +34,7 @@ from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
 from distsparse.train.method_hooks import build_method_hooks
-from distsparse.train.metrics import NullWriter, TensorBoardWriter, peak_memory_gb
+from distsparse.train.metrics import build_writer, peak_memory_gb
 from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.schedule import lr_factor
 from distsparse.train.step_inputs import StepInputs
@@ -141,7 +141,7 @@ class Trainer:
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
                                     topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s),
                                     timer=self.timer)
-        self.writer = TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb")) if self.rank == 0 else NullWriter()
+        self.writer = build_writer(cfg, self.rank)
         self.step = 0
         self.report: StepReport | None = None
         self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from distsparse.checkpoint import check_resume
 from distsparse.config import Config, check_backbone_shapes
 from distsparse.data import TokenDataset, load_meta
@@ -23,6 +25,9 @@ def validate(cfg: Config, world_size: int = 1) -> dict:
         raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; data in {cfg.data.dir} is truncate_pad at "
                          f"{meta['seq_len']}; allowed: {meta['seq_len']}")
     check_backbone_shapes(cfg.model, cfg.method)
+    if cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"logging.wandb.mode: got {cfg.logging.wandb.mode!r}, but wandb is not installed; allowed: "
+                         f"disabled, or install it (pip install wandb, the project's `wandb` extra)")
     check_resume(cfg, meta)
     # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
     datasets = {split: TokenDataset(cfg.data.dir, split, cfg.data.seq_len) for split in SPLITS}
