@@ -126,7 +126,7 @@ def test_every_save_holds_the_branch_adam_state_by_name_equal_to_deepspeeds_part
 
 def _resume_single(data_dir: str, out_dir: Path, checkpoint: Path) -> None:
     """One process, a world of one through the launcher's single-process path."""
-    script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
+    script = "import sys; from distsparse.cli.pretrain import main; sys.exit(main(sys.argv[1:]))"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_")) and
            k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
