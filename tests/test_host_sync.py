@@ -41,6 +41,16 @@ def test_a_deepspeed_json_without_timers_is_completed_with_the_throughput_timer_
     assert ds["timers"]["throughput"]["enabled"] is False
 
 
+def test_a_named_throughput_timer_keeps_deepspeeds_default_as_its_warning_says():
+    cfg = load_config(None, ["train.dtype=fp32"])
+    zero2 = {"zero_optimization": {"stage": 2}}
+    ds = complete_ds_config({**zero2, "timers": {"throughput": {"synchronized": True}}}, cfg, cuda_available=False)
+    assert ds["timers"]["throughput"] == {"synchronized": True}   # DeepSpeed's default: enabled
+    assert warn_syncing_keys(ds) == ["timers.throughput.enabled"]
+    ds = complete_ds_config({**zero2, "timers": {}}, cfg, cuda_available=False)
+    assert ds["timers"]["throughput"] == {"enabled": False} and warn_syncing_keys(ds) == []
+
+
 @pytest.mark.parametrize("source, keys", [
     ({"timers": {"throughput": {}}}, ["timers.throughput.enabled"]),   # DeepSpeed's default: on, synchronized
     ({"timers": {"throughput": {"enabled": True}}}, ["timers.throughput.enabled"]),
