@@ -173,10 +173,12 @@ class Trainer:
         batches = self.inputs.next()
         self.timer.mark("data")
         self.train_step(batches)
-        # The host collates the next step while the device still runs this one's queued updates and gathers.
-        self.inputs.prefetch()
-        self.timer.mark("data")
         self.step += 1
+        # The host collates the next step while the device still runs this one's queued updates and gathers; not
+        # after the last step, nor after a preempting one (its grace time goes to the save).
+        if self.step < self.cfg.train.steps and not self.report.preempt:
+            self.inputs.prefetch()
+        self.timer.mark("data")
         self.report.timings = self.timer.read()
         return self.report
 
