@@ -22,7 +22,7 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.checkpoint import CheckpointManager, resume_changes
-from distsparse.config import Config, config_to_dict
+from distsparse.config import Config, config_to_dict, separate_branch_group
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.layers.projection import SparseProjection
@@ -240,10 +240,13 @@ class Trainer:
         changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
         if changes:
             log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
-        if m["world_size"] == self.world_size:
+        same_partitions = m["world_size"] == self.world_size and \
+            separate_branch_group(m["config"]["method"]) == self.cfg.method.separate_branch_group
+        if same_partitions:
             self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name)
         else:
-            # ZeRO files are per partition: load the module, then the dense optimizer state by name.
+            # ZeRO files are per partition and per parameter group (another world size, or method.branch_lr /
+            # branch_weight_decay switched on or off): load the module, then the dense optimizer state by name.
             self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name, load_module_only=True,
                                         load_optimizer_states=False, load_lr_scheduler_states=False)
             restore_dense_state(self.engine, self.model, self.checkpoints.load_tensors(ckpt, "dense_state.safetensors"),
