@@ -141,7 +141,6 @@ class Trainer:
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
                                     topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s),
                                     timer=self.timer)
-        self.writer = build_writer(cfg, self.rank)
         self.step = 0
         self.report: StepReport | None = None
         self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
@@ -149,6 +148,7 @@ class Trainer:
         self.preemption = PreemptionFlag().install()
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
+        self.writer = build_writer(cfg, self.rank, resumed=self.step > 0)
 
     def _dense_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_scale(s))
