@@ -141,3 +141,6 @@ def test_the_mask_free_causal_sdpa_gives_the_logits_of_sdpa():
         prefix = model(input_ids=x_cut).logits
     assert torch.equal(got, expected)
     torch.testing.assert_close(prefix, got[:, :12], rtol=1e-5, atol=1e-5)
+    for key, value in (("attention_mask", torch.ones_like(x)), ("position_ids", torch.arange(24).expand(2, 24))):
+        with pytest.raises(ValueError, match=f"{key}: got a tensor; allowed: None with the mask-free causal"):
+            model(input_ids=x, **{key: value})   # would be ignored: refused instead
