@@ -369,7 +369,7 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class CheckpointConfig:
     dir: str = ""                      # "": <train.out_dir>/checkpoints
-    interval: int = 0                  # optimizer steps between saves; 0: only on preemption and at the end
+    interval: int = 0                  # steps between saves; 0: on preemption (and at the end if resume is set)
     keep_last: int = 3
     resume: str = ""                   # "": start fresh; auto: newest complete checkpoint; or a checkpoint dir
     save_at_end: bool = True

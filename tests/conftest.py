@@ -1,9 +1,12 @@
 """Shared test setup: CPU DeepSpeed, GPU-marked tests skipped with a reason where no CUDA device exists."""
 
 import os
+import random
 
 import pytest
 import torch
+
+from data_prep.prepare import PrepConfig, prepare
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -44,3 +47,23 @@ def fake_srun(tmp_path, monkeypatch):
     (fake / "srun").write_text("#!/bin/sh\n")
     (fake / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+
+
+# Text for quality_corpus: a vocabulary a 300-piece tokenizer covers.
+WORDS = ("the sparse matrix keeps one weight of every four in each row while the optimizer updates only "
+         "active values and the topology engine removes weak links and regrows links chosen by the network "
+         "paths of length three so the model learns which connections matter").split()
+
+
+@pytest.fixture(scope="session")
+def quality_corpus(tmp_path_factory):
+    """A few KB of seeded text in 40 paragraph documents, prepared with a 300-piece tokenizer."""
+    root = tmp_path_factory.mktemp("quality_corpus")
+    rng = random.Random(0)
+    for f in range(4):
+        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(10)]
+        (root / f"part{f}.txt").write_text("\n\n".join(paragraphs) + "\n")
+    out = root / "prepared"
+    prepare(PrepConfig(source=f"files:{root}/*.txt", out=out, vocab_size=300, val_fraction=0.25, num_proc=1,
+                       seq_len=32))
+    return out

@@ -5,19 +5,14 @@ stand-in whose PPL is a known function of the learning rate."""
 import io
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import yaml
 
-from data_prep.prepare import PrepConfig, prepare
 from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("the sparse matrix keeps one weight of every four in each row while the optimizer updates only "
-         "active values and the topology engine removes weak links and regrows links chosen by the network "
-         "paths of length three so the model learns which connections matter").split()
 DEFAULT_TRAIN_LR = 3e-3   # TrainConfig.lr, the dense-side default that no preset overrides
 
 
@@ -26,27 +21,14 @@ def bench():
     return import_tool("bench_quality")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A few KB of seeded text in 40 paragraph documents, prepared with a 300-piece tokenizer."""
-    root = tmp_path_factory.mktemp("quality_corpus")
-    rng = random.Random(0)
-    for f in range(4):
-        paragraphs = [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(10)]
-        (root / f"part{f}.txt").write_text("\n\n".join(paragraphs) + "\n")
-    out = root / "prepared"
-    prepare(PrepConfig(source=f"files:{root}/*.txt", out=out, vocab_size=300, val_fraction=0.25, num_proc=1,
-                       seq_len=32))
-    return out
-
-
 def preset_lr(method):
     return float(yaml.safe_load((ROOT / "configs" / "method" / f"{method}.yaml").read_text())["lr"])
 
 
-def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, corpus, tmp_path, capsys):
+def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quality_corpus, tmp_path, capsys):
     out_json, out_png, runs = tmp_path / "q.json", tmp_path / "q.png", tmp_path / "runs"
-    argv = ["--data", str(corpus), "--methods", "dense_adamw,chts24_1of4_row", "--model", "tiny", "--steps", "4",
+    argv = ["--data", str(quality_corpus), "--methods", "dense_adamw,chts24_1of4_row", "--model", "tiny",
+            "--steps", "4",
             "--eval-points", "2", "--micro-batch", "2", "--seq-len", "32", "--eval-samples", "4",
             "--json", str(out_json), "--plot", str(out_png), "--out-root", str(runs)]
     assert bench.main(argv) == 0
@@ -496,3 +478,21 @@ def test_runs_record_data_inside_the_checkout_relative_to_it_so_another_checkout
         data=str(inside), model="tiny", seq_len=8, micro_batch=2, nproc=1, seed=0, eval_samples=0,
         warmup_steps=None, overrides=[]))
     assert "data.dir=data/some_corpus" in overrides
+
+
+def test_keep_checkpoint_keeps_the_final_checkpoint_and_a_run_is_read_back_with_or_without_it(
+        bench, quality_corpus, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    argv = ["--data", str(quality_corpus), "--methods", "chts24_1of4_row", "--model", "tiny", "--steps", "2",
+            "--eval-points", "1", "--micro-batch", "2", "--seq-len", "32", "--eval-samples", "4",
+            "--out-root", str(runs)]
+    assert bench.main([*argv, "--json", str(tmp_path / "a.json"), "--keep-checkpoint"]) == 0
+    run_dir = runs / "chts24_1of4_row" / "full"
+    saved = [p for p in (run_dir / "checkpoints").iterdir() if p.is_dir()]
+    assert len(saved) == 1 and any(saved[0].iterdir())
+    capsys.readouterr()
+    # The checkpoint settings change no number: the finished run is read back, not retrained, without the flag.
+    assert bench.main([*argv, "--json", str(tmp_path / "b.json")]) == 0
+    assert "finished earlier" in capsys.readouterr().out
+    assert json.loads((tmp_path / "b.json").read_text())["methods"]["chts24_1of4_row"]["final_ppl"] == \
+        json.loads((tmp_path / "a.json").read_text())["methods"]["chts24_1of4_row"]["final_ppl"]

@@ -39,11 +39,17 @@ rate is swept independently of the dense side's, as the other two are of each ot
 every method without the flag, keep the preset's method.branch_lr (null: the branch on train.lr, the paper's coupling).
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
-`train.out_dir`) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
+`train.out_dir` and the checkpoint settings) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
 missing point. A finished run there under another config is refused, naming the keys that differ (--force
 replaces it): retraining would delete it. The refusal comes before anything trains, except for the full run
 after a short sweep, whose rates are known only when its sweep is done. The DeepSpeed JSON is not part of that
-config: give runs under another --ds-config their own --out-root.
+config: give runs under another --ds-config their own --out-root. A run writes no checkpoint unless --keep-checkpoint
+(then one, at its end, in RUN_DIR/checkpoints: branch magnitudes and exports can be examined later).
+
+A whole protocol in stages, on a SLURM cluster or here (`--plan`, its own options: tools/quality_plan.py):
+
+    python tools/bench_quality.py --plan paper_60m --data data/c4_60m --root runs/paper_60m --executor slurm \
+        --partition gpu --account proj --time 180
 """
 
 from __future__ import annotations
@@ -118,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run directories go to OUT_ROOT/METHOD/{full,sweep_x0.5,...} (default runs/quality)")
     p.add_argument("--json", required=True, metavar="PATH", help="results JSON (read first: finished methods skip)")
     p.add_argument("--plot", default=None, metavar="PATH", help="PNG of validation PPL against training tokens")
+    p.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep each run's final checkpoint in RUN_DIR/checkpoints (default: none is written; the "
+                        "checkpoint settings are not part of the config a finished run is read back by)")
     p.add_argument("--force", action="store_true",
                    help="rerun methods that already have a result in the JSON, and runs finished in --out-root")
     args = p.parse_args(argv)
@@ -235,8 +244,10 @@ def has_branch(method: str, overrides: list[str]) -> bool:
 
 def run_overrides(args: argparse.Namespace, run: RunSpec) -> list[str]:
     branch = [] if run.branch_lr is None else [f"method.branch_lr={run.branch_lr!r}"]
+    # Checkpointing on with one interval of the whole run: the trainer saves once, at the end.
+    keep = [f"checkpoint.interval={run.steps}"] if args.keep_checkpoint else []
     return [*base_overrides(args), f"method.preset={run.method}", f"method.lr={run.lr!r}",
-            f"train.lr={run.dense_lr!r}", *branch, f"train.steps={run.steps}",
+            f"train.lr={run.dense_lr!r}", *branch, *keep, f"train.steps={run.steps}",
             f"train.eval_interval={run.eval_interval}", f"train.out_dir={run.out_dir}"]
 
 
@@ -260,10 +271,12 @@ def _free_port() -> int:
 
 
 def _resolved_config(args: argparse.Namespace, run: RunSpec) -> dict:
-    """The config run.out_dir's config.json will hold after this run, without train.out_dir."""
+    """The config run.out_dir's config.json will hold after this run, without train.out_dir and the checkpoint
+    settings (neither changes what the run computes)."""
     from distsparse.config import config_to_dict, load_config
     config = json.loads(json.dumps(config_to_dict(load_config(None, run_overrides(args, run)))))
     config["train"].pop("out_dir")
+    config.pop("checkpoint")
     return config
 
 
@@ -274,6 +287,7 @@ def _earlier_config(run: RunSpec) -> dict | None:
     from distsparse.config import with_added_keys
     found = with_added_keys(json.loads((run.out_dir / "config.json").read_text()))   # runs of an older checkout
     found.get("train", {}).pop("out_dir", None)
+    found.pop("checkpoint", None)
     return found
 
 
@@ -607,6 +621,10 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--plan" or a.startswith("--plan=") for a in argv):
+        import quality_plan   # a protocol in stages (configs/plans/): its own options
+        return quality_plan.main(argv)
     try:
         args = parse_args(argv)
         meta = json.loads((Path(args.data) / "meta.json").read_text())

@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def protocol(config: dict[str, Any]) -> dict[str, Any]:
     """What every run of one comparison shares: the config less what the comparison varies."""
-    shared = {k: v for k, v in config.items() if k != "method"}
+    shared = {k: v for k, v in config.items() if k not in ("method", "checkpoint")}   # checkpoints change no number
     shared["train"] = {k: v for k, v in config["train"].items() if k not in ("lr", "seed", "out_dir")}
     return shared
 
