@@ -28,6 +28,7 @@ VOCAB = 512
 DENSE_SIDE = 2 * VOCAB * HIDDEN + (2 * LAYERS + 1) * HIDDEN   # untied embedding and head, RMSNorm weights
 ALIGN = 128
 MiB = 2**20
+REL = 0.01   # the brief asks 10%; the plan is exact but for 2 KiB of padding in DeepSpeed's flat gradient buffer
 
 
 def _plan(world_size, *overrides, ds="zero2"):
@@ -107,9 +108,9 @@ def test_350m_plan_on_2_ranks_is_within_10_percent_of_the_measured_parts():
         for side in ("dense_side", "backbone"):
             assert set(rank[side]) == set(parts[side])
             for part, value in parts[side].items():
-                assert abs(rank[side][part] - value) <= 0.1 * value, (r, side, part, rank[side][part], value)
+                assert abs(rank[side][part] - value) <= REL * value, (r, side, part, rank[side][part], value)
         staging = measured["backbone_grad_transient_peak_bytes_per_rank"][r]
-        assert abs(rank["transient"]["grad_staging"] - staging) <= 0.1 * staging
+        assert abs(rank["transient"]["grad_staging"] - staging) <= REL * staging
 
 
 def _table(out: str) -> dict[str, list[float]]:
@@ -180,3 +181,39 @@ def test_format_estimate_names_the_largest_rank_and_the_spread():
     assert rows["total"] == [round(max(totals) / MiB, 1), round(min(totals) / MiB, 1), round(max(totals) / MiB, 1)]
     grads = [r["backbone"]["grad_buffer"] / MiB for r in plan["ranks"]]
     assert rows["backbone/grad_buffer"][1:] == [round(min(grads), 1), round(max(grads), 1)]
+
+
+def test_activation_formula_against_the_tensors_autograd_saves_in_the_decoder_layers():
+    """bf16 on CPU, a 2-layer LLaMA of hidden 256 (4 heads, SwiGLU 688), s = 256, b = 2: the bytes of the tensors
+    saved for backward while a decoder layer runs (parameters and the logits excluded). Checkpointed: each layer
+    saves its input, 2*s*b*h exactly. Not checkpointed: Korthikanti's GPT formula (4h MLP, dropout masks) is
+    within 25% of LLaMA's (measured 0.85 of it)."""
+    from distsparse.memory_estimate import activation_bytes
+    from distsparse.models.causal_attention import use_causal_sdpa
+
+    s, b = 256, 2
+    for checkpointing in (False, True):
+        cfg = load_config(None, ["model.preset=tiny", "method.preset=dense_adamw", "model.hidden_size=256",
+                                 "model.intermediate_size=688", f"model.activation_checkpointing={checkpointing}"])
+        model = build_model(cfg.model, cfg.method, VOCAB, 0).to(torch.bfloat16)
+        use_causal_sdpa(model)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen, depth = set(), [0]
+
+        def pack(t):
+            if depth[0] and t.untyped_storage().data_ptr() not in params:
+                seen.add((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            return t
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1))
+            layer.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+        tokens = torch.randint(0, VOCAB, (b, s))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=tokens, labels=tokens)
+        measured = sum(nbytes for _, nbytes in seen)
+        m = cfg.model
+        formula = activation_bytes(s, b, m.hidden_size, m.num_attention_heads, m.num_hidden_layers, checkpointing)
+        if checkpointing:
+            assert measured == formula == 2 * 2 * s * b * 256
+        else:
+            assert 0.75 * formula <= measured <= 1.25 * formula, (measured, formula)
