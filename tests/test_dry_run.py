@@ -217,3 +217,16 @@ def test_activation_formula_against_the_tensors_autograd_saves_in_the_decoder_la
             assert measured == formula == 2 * 2 * s * b * 256
         else:
             assert 0.75 * formula <= measured <= 1.25 * formula, (measured, formula)
+
+
+def test_dry_run_checks_the_global_batch_of_the_planned_world(data_dir, capsys):
+    """80 x 256 tokens hold 80 samples of 256: 64 ranks x 1 fit, 128 do not (one config error line, exit 2)."""
+    from distsparse.cli.pretrain import main
+
+    args = ["--dry-run", "model.preset=tiny", f"data.dir={data_dir}", "train.micro_batch=1", "train.grad_accum=1",
+            "data.seq_len=256"]
+    assert main([*args, "--dry-run-world-size", "64"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--dry-run-world-size", "128"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: train.micro_batch") and "x 128 rank(s)" in lines[0]
