@@ -43,10 +43,10 @@ computed analytically from the layer shapes (a dense 1B run does not fit two ran
 rank processes (so its peak memory is not reported), and the analytic numbers are checked against it. The
 classic all-in-DeepSpeed ZeRO-2 figure (module + (4 + 8 + 4) bytes x params / W) is given as a second reference.
 
-Analytic backbone bytes (`backbone_analytic`): the shapes of a preset from its config alone, owners by the engine's
-LPT (`assign_owners` on `matrix_cost`), the gradient layout by the engine's `bucket_layout` and its bytes by
-`grad_buckets.grad_bytes` (the transient peak assuming gradients arrive in layout order, as LLaMA's backward
-delivers them), rule state by `init_state`; the largest rank is reported. At the measured W they are checked
+Analytic backbone bytes (`backbone_analytic` of distsparse/memory_estimate.py, which `--dry-run` also uses): the
+shapes of a preset built on the meta device, owners by the engine's LPT (`assign_owners` on `matrix_cost`), the
+gradient layout by the engine's `bucket_layout` and its bytes by `grad_buckets.grad_bytes` (the transient peak
+assuming gradients arrive in layout order, as LLaMA's backward delivers them), rule state by `init_state`; the largest rank is reported. At the measured W they are checked
 against the measured parts, part by part (the test suite does so at tiny). Values are fp32 as in the CPU run
 (bf16 training halves them).
 
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import sys
 import tempfile
@@ -73,6 +72,8 @@ import torch
 
 from bench_train import spawn_ranks, write_synthetic_data
 from benchlib import add_json_arg, machine_info, print_table, write_json
+from distsparse.memory_estimate import (BACKBONE_PARTS, DENSE_PARTS, backbone_analytic, classic_zero2_bytes,
+                                        dense_matrices, method_config, preset_matrices, scale_table, state_parts)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("tiny", "350m", "1b")
@@ -101,8 +102,6 @@ DS_BUCKET_ELEMENTS = 50_000_000
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 TARGET = 0.26                      # issue 19: backbone_state_bytes_over_dense_adamw <= 0.26
 GRAD_TARGET_W, GRAD_TARGET = 64, 1 / 32   # issue 19: gradient bytes per rank at W = 64, sharded / full
-DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
-BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,96 +174,6 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
             "index_cache": index_cache_bytes(sparse, seen),
             "optimizer_state": matrix.state_bytes() - storage_bytes(grads, set()),
             "grad_buffer": storage_bytes(grads, seen)}
-
-
-def backbone_matrices(model: str, method: str = METHOD) -> dict[str, dict[str, Any]]:
-    """The backbone of a model preset under `method`, from the config alone (nothing is built): name -> dense frame
-    (out, in), backbone parameter shape and code bytes."""
-    from distsparse.config import load_config
-    from distsparse.models import PROJECTIONS
-    from distsparse.nm import codes_shape
-
-    cfg = load_config(None, [f"model.preset={model}", f"method.preset={method}"])
-    h, f, spec = cfg.model.hidden_size, cfg.model.ffn_width, cfg.method.spec
-    frames = {"gate_proj": (f, h), "up_proj": (f, h), "down_proj": (h, f)}
-    matrices = {}
-    for layer in range(cfg.model.num_hidden_layers):
-        for proj in PROJECTIONS:
-            out_f, in_f = frames.get(proj, (h, h))
-            block = "mlp" if proj in frames else "self_attn"
-            matrices[f"model.layers.{layer}.{block}.{proj}"] = {
-                "frame": (out_f, in_f), "param": (out_f, spec.kept_per_row(in_f)) if spec else (out_f, in_f),
-                "codes": math.prod(codes_shape(spec, out_f, in_f)) if spec else 0}
-    return matrices
-
-
-def dense_matrices(matrices: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The same frames as dense weights (dense AdamW's backbone)."""
-    return {name: {"frame": m["frame"], "param": m["frame"], "codes": 0} for name, m in matrices.items()}
-
-
-def backbone_analytic(matrices: dict[str, dict[str, Any]], method: str, world_size: int, mode: str,
-                      values_bytes: int = 4) -> list[dict[str, int]]:
-    """Per rank, the backbone's bytes by part (BACKBONE_PARTS and grad_transient_peak) from the shapes alone, by the
-    engine's own rules: LPT owners on `matrix_cost` for `method`'s rule, the gradient layout of accumulation `mode`
-    (`bucket_layout`: full mode with FULL_NUM_BUCKETS, sharded with the default byte cap) and `grad_bytes`; fp32
-    masters and `init_state`'s tensors for the owned matrices."""
-    from distsparse.config import load_config
-    from distsparse.optim.grad_buckets import BUCKET_BYTES, bucket_layout, grad_bytes
-    from distsparse.optim.owners import assign_owners, matrix_cost
-    from distsparse.optim.rules import init_state
-
-    cfg = load_config(None, [f"method.preset={method}"])
-    rule, ns_steps = cfg.method.rule, getattr(cfg.method.rule_params, "ns_steps", 5)
-    numel = {name: math.prod(m["param"]) for name, m in matrices.items()}
-    costs = {name: matrix_cost(rule, tuple(m["frame"]), numel[name], ns_steps) for name, m in matrices.items()}
-    owners = assign_owners(costs, world_size)
-    sizing = {"num_buckets": FULL_NUM_BUCKETS} if mode == "full" else {"bucket_bytes": BUCKET_BYTES}
-    layout = bucket_layout(numel, owners, world_size, **sizing)
-    state = [0] * world_size
-    for name, m in matrices.items():
-        tensors = init_state(rule, tuple(m["param"]), "meta").values()
-        state[owners[name]] += 4 * numel[name] + sum(t.numel() * t.element_size() for t in tensors)
-    values = values_bytes * sum(numel.values())
-    codes = sum(m["codes"] for m in matrices.values())
-    ranks = []
-    for rank in range(world_size):
-        grads = grad_bytes(layout, rank, world_size, mode)
-        ranks.append({"values": values, "codes": codes, "index_cache": 0, "optimizer_state": state[rank],
-                      "grad_buffer": grads["persistent"], "grad_transient_peak": grads["transient_peak"]})
-    return ranks
-
-
-def state_parts(analytic: dict[str, int]) -> dict[str, int]:
-    return {part: analytic[part] for part in BACKBONE_PARTS}
-
-
-def scale_table(model: str) -> dict[str, dict[str, float]]:
-    """The largest rank's backbone bytes at each W of WORLD_SIZES in both accumulation modes, beside dense AdamW's
-    in the same mode; `grad_over_full_mode`: gradient bytes (persistent, and with the transient peak) over full
-    mode's at the same W."""
-    matrices = backbone_matrices(model)
-    table = {}
-    for w in WORLD_SIZES:
-        full = None
-        for mode in ACCUM_MODES:
-            sparse = backbone_analytic(matrices, METHOD, w, mode)
-            dense = backbone_analytic(dense_matrices(matrices), DENSE_METHOD, w, mode)
-            row = {key: max(r[key] for r in sparse) for key in ("grad_buffer", "grad_transient_peak")}
-            row["backbone_state"] = max(sum(state_parts(r).values()) for r in sparse)
-            row["dense_adamw_backbone_state"] = max(sum(state_parts(r).values()) for r in dense)
-            row["backbone_state_over_dense_adamw"] = row["backbone_state"] / row["dense_adamw_backbone_state"]
-            full = full or row
-            row["grad_over_full_mode"] = row["grad_buffer"] / full["grad_buffer"]
-            row["grad_with_transient_over_full_mode"] = (row["grad_buffer"] + row["grad_transient_peak"]) / (
-                full["grad_buffer"] + full["grad_transient_peak"])
-            table[f"W={w} {mode}"] = row
-    return table
-
-
-def classic_zero2_bytes(num_params: int, world_size: int, dtype_bytes: int = 4) -> int:
-    """Every parameter in DeepSpeed ZeRO-2 AdamW: module copy + fp32 partition, moments and gradient partition."""
-    return dtype_bytes * num_params + (4 + 8 + 4) * math.ceil(num_params / world_size)
 
 
 # ---- per rank ----------------------------------------------------------------------------------------------------
@@ -392,15 +301,18 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] = spawn_rank
     sparse, measured = runs[0], (runs[1] if args.measure_dense else None)
     mode = sparse[0]["grad_accum_mode"]
     counts = sparse[0]["counts"]
-    matrices = backbone_matrices(args.model)
+    matrices = preset_matrices(args.model, METHOD)
     built = {n: tuple(s) for n, s in sparse[0]["shapes"].items()}
     if {n: m["frame"] for n, m in matrices.items()} != built:
         raise RuntimeError("scale_check: backbone_matrices() differs from the model the trainer built")
-    sparse_analytic = backbone_analytic(matrices, METHOD, world_size, mode)
-    dense_analytic = backbone_analytic(dense_matrices(matrices), DENSE_METHOD, world_size, mode)
+    sparse_analytic = backbone_analytic(matrices, method_config(METHOD), world_size, mode,
+                                        num_buckets=FULL_NUM_BUCKETS)
+    dense_analytic = backbone_analytic(dense_matrices(matrices), method_config(DENSE_METHOD), world_size, mode,
+                                       num_buckets=FULL_NUM_BUCKETS)
     analytic = [{"dense_side": r["parts"]["dense_side"], "backbone": state_parts(dense_analytic[rank])}
                 for rank, r in enumerate(sparse)]
-    tables = {model: scale_table(model) for model in ANALYTIC_MODELS}
+    tables = {model: scale_table(preset_matrices(model, METHOD), METHOD, DENSE_METHOD, WORLD_SIZES, ACCUM_MODES,
+                                 FULL_NUM_BUCKETS) for model in ANALYTIC_MODELS}
 
     # Per-rank figures; the headline ratios use the larger rank of each side (the one that must fit).
     sparse_backbone = max(sum(r["parts"]["backbone"].values()) for r in sparse)

@@ -31,12 +31,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ds_config", default="configs/ds/zero2.json", help="DeepSpeed JSON (ZeRO-1/2)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--dry-run", action="store_true", help="build the model, print parameter counts, exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, print parameter counts and the memory per rank by "
+                        "part (distsparse/memory_estimate.py), exit; starts no process group")
+    p.add_argument("--dry-run-world-size", type=int, default=None, metavar="N",
+                   help="with --dry-run: plan for N ranks instead of the launch's world size (e.g. 8 or 64 GPUs "
+                        "from a laptop)")
     p.add_argument("--result-json", default=None,
                    help="write the run's result (step, losses, preempted and by which signal) to this file from "
                         "each node's first process (launch/slurm.py --launcher torchrun reads it)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.dry_run_world_size is not None and (not args.dry_run or args.dry_run_world_size < 1):
+        p.error(f"--dry-run-world-size: got {args.dry_run_world_size}"
+                f"{'' if args.dry_run else ' without --dry-run'}; allowed: an integer >= 1, with --dry-run")
+    return args
 
 
 def write_result(path: str, result, received: int | None) -> None:
@@ -73,10 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from distsparse.models import build_model, parameter_counts
-        model = build_model(cfg.model, cfg.method, cfg.model.vocab_size or meta["vocab_size"], cfg.train.seed)
+        from distsparse.memory_estimate import estimate_run, format_estimate
+        from distsparse.models import build_on_meta, parameter_counts
+        world_size = args.dry_run_world_size or env.world_size
+        if world_size != env.world_size:
+            try:
+                meta = validate(cfg, world_size=world_size)   # the planned world's global batch
+            except ValueError as err:
+                print(f"config error: {err}", file=sys.stderr)
+                return 2
+        # Shapes only: a 1b plan allocates nothing model-sized.
+        model = build_on_meta(cfg.model, cfg.method, cfg.model.vocab_size or meta["vocab_size"], cfg.train.seed)
         for key, value in parameter_counts(model).items():
             print(f"{key:28s} {value:>14,d}" if isinstance(value, int) else f"{key:28s} {value:>14.4f}")
+        print(format_estimate(estimate_run(model, cfg, ds_config, world_size)))
         return 0
 
     device = launch_env.start(env)   # the GPU is chosen, then the process group starts on it

@@ -152,18 +152,25 @@ def _materialize(model: LlamaForCausalLM, seed: int) -> None:
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
 
 
+def build_on_meta(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
+    """The run's model with every tensor on the meta device (shapes and dtypes, no storage): what a meta-device
+    build materializes, and what `--dry-run` plans memory from (distsparse/memory_estimate.py) at any size."""
+    check_backbone_shapes(model_cfg, method)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(model_cfg, vocab_size))
+        sparsify(model, method, seed, branch_rank(model_cfg, method))
+    return model
+
+
 def build_model(model_cfg: ModelConfig, method: MethodConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
     """The run's model in fp32 on CPU; the caller moves it and DeepSpeed casts it."""
     check_backbone_shapes(model_cfg, method)
-    config = llama_config(model_cfg, vocab_size)
     torch.manual_seed(seed)   # identical dense init on every rank (DeepSpeed broadcasts it anyway)
     if model_cfg.meta_device_init:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-            sparsify(model, method, seed, branch_rank(model_cfg, method))
+        model = build_on_meta(model_cfg, method, vocab_size, seed)
         _materialize(model, seed)
     else:
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama_config(model_cfg, vocab_size))
         sparsify(model, method, seed, branch_rank(model_cfg, method))
     if model_cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
