@@ -10,22 +10,22 @@ Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I 
                grad_values = gather(g^T @ x, pos)    [O, K]  (only kept positions leave the Function)
 
 Activation memory (issue 25): W is held from forward to backward, one dense weight per projection in the weight
-dtype (at 350m, 24 x (4 x 1024^2 + 3 x 1024 x 2736) x 2 B = 0.60 GB of bf16 backbone weights at once, beside tens
-of GB of activations); between calls a layer still holds its values and codes only (issue 19: an index cache was 4 B per kept value, more than
-the bf16 values). Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins are memory,
-optimizer state and communication; speed comes from 2:4 kernels at inference.
+dtype (at 350m, 24 x (4 x 1024^2 + 3 x 1024 x 2736) x 2 B = 0.60 GB of bf16 backbone weights at once, beside tens of
+GB of activations); between calls a layer still holds its values and codes only (issue 19: an index cache was 4 B
+per kept value, more than the bf16 values). Training executes dense GEMMs on the decompressed weight (DESIGN s6):
+the wins are memory, optimizer state and communication; speed comes from 2:4 kernels at inference.
 
-Launches (issue 25 item 2): the positions come from a lookup table from code bytes (row-wise) or motif ids
-(block-wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups;
-no flat index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch 2.0x
-(row-wise: 20 ops, 10 of them kernels) and 2.2x (block-wise) the aten ops of nn.Linear (10), views included (2.4x
-and 2.6x when backward scattered W again), where rebuilding the flat int64 index (row * I + group offset + table entry) took 5.3-6.1x. The alternative, one index derived once per step and
-shared by forward and backward, was not taken: kept in the module it is 8 B per kept value between calls (4x the
-bf16 values, against the memory target) and needs invalidating at every refresh, `set_codes`, checkpoint load and
-in-place all-gather of the codes; saved in the Function it stays alive from forward to backward in every layer at
-once (at 1:4 the size of the dense bf16 weight), while the lookup it would save in backward is 2 kernels. Nothing
-is cached, so activation checkpointing re-runs the same forward (DESIGN decision 16).
-"""
+Launches (issue 25 item 2): the positions come from a lookup table from code bytes (row-wise) or motif ids (block-
+wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups; no flat
+index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch 2.0x (row-wise:
+20 ops, 10 of them kernels) and 2.2x (block-wise) the aten ops of nn.Linear (10), views included (2.4x and 2.6x when
+backward scattered W again), where rebuilding the flat int64 index (row * I + group offset + table entry) took
+5.3-6.1x. The alternative, one index derived once per step and shared by forward and backward, was not taken: kept
+in the module it is 8 B per kept value between calls (4x the bf16 values, against the memory target) and needs
+invalidating at every refresh, `set_codes`, checkpoint load and in-place all-gather of the codes; saved in the
+Function it stays alive from forward to backward in every layer at once (at 1:4 the size of the dense bf16 weight),
+while the lookup it would save in backward is 2 kernels. Nothing is cached, so activation checkpointing re-runs the
+same forward (DESIGN decision 16)."""
 
 from __future__ import annotations
 
