@@ -36,8 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distsparse.nm import (
-    NMMeta, NMSpec, codes_shape, decompress, encode, gather_groups, is_legal, kept_index, kept_positions, random_mask,
-    scatter_groups,
+    NMMeta, NMSpec, codes_shape, decompress, decompress_groups, encode, gather_groups, is_legal, kept_index,
+    kept_positions, random_mask,
 )
 
 INIT_MODES = ("swi", "hf")
@@ -53,7 +53,7 @@ class NMLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, values: torch.Tensor, codes: torch.Tensor, spec: NMSpec,
                 in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (values.shape[0], in_features)
-        weight = scatter_groups(values, kept_positions(NMMeta(codes, spec, shape)), shape)
+        weight = decompress_groups(values, NMMeta(codes, spec, shape))
         ctx.save_for_backward(x, weight, codes)
         ctx.spec, ctx.kept = spec, values.shape[1]
         ctx.has_bias = bias is not None
