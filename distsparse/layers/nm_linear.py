@@ -2,10 +2,11 @@
 
 Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row, G = I / 4.
 
-    forward:   pos = table[codes]                    int64, [O, G, N] (transient, never saved; nm.kept_positions)
-               W = zeros.scatter(pos, values)        [O, I] (saved for backward, freed after it)
+    forward:   W = decompress_groups(values, codes)  [O, I] (saved for backward, freed after it)
+                 N = 1: values x one_hot_table[codes]  one-hot rows [O, G, 1, 4], transient: one mul
+                 N > 1: zeros.scatter(pos, values)     pos = table[codes], int64 [O, G, N], transient
                y = x @ W^T (+ b)                     [T, O]
-    backward:  pos = table[codes] again              (W is the forward's: no second decompression)
+    backward:  pos = table[codes]                    (W is the forward's: no second decompression)
                grad_x      = g @ W                   [T, I]
                grad_values = gather(g^T @ x, pos)    [O, K]  (only kept positions leave the Function)
 
@@ -16,16 +17,17 @@ per kept value, more than the bf16 values). Training executes dense GEMMs on the
 the wins are memory, optimizer state and communication; speed comes from 2:4 kernels at inference.
 
 Launches (issue 25 item 2): the positions come from a lookup table from code bytes (row-wise) or motif ids (block-
-wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups; no flat
-index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch 2.0x (row-wise:
-20 ops, 10 of them kernels) and 2.2x (block-wise) the aten ops of nn.Linear (10), views included (2.4x and 2.6x when
-backward scattered W again), where rebuilding the flat int64 index (row * I + group offset + table entry) took
-5.3-6.1x. The alternative, one index derived once per step and shared by forward and backward, was not taken: kept
-in the module it is 8 B per kept value between calls (4x the bf16 values, against the memory target) and needs
-invalidating at every refresh, `set_codes`, checkpoint load and in-place all-gather of the codes; saved in the
-Function it stays alive from forward to backward in every layer at once (at 1:4 the size of the dense bf16 weight),
-while the lookup it would save in backward is 2 kernels. Nothing is cached, so activation checkpointing re-runs the
-same forward (DESIGN decision 16)."""
+wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups (at N = 1
+one multiply by the same table as one-hot rows: as many bytes at bf16 as the int64 positions, one kernel fewer); no
+flat index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch 1.9x at 1:4
+(row-wise: 19 ops, 9 of them kernels) and 2.0x above (20, 10), block-wise 2.1x and 2.2x, the aten ops of nn.Linear
+(10), views included (2.4x and 2.6x when backward scattered W again), where rebuilding the flat int64 index
+(row * I + group offset + table entry) took 5.3-6.1x. The alternative, one index derived once per step and shared
+by forward and backward, was not taken: kept in the module it is 8 B per kept value between calls (4x the bf16
+values, against the memory target) and needs invalidating at every refresh, `set_codes`, checkpoint load and
+in-place all-gather of the codes; saved in the Function it stays alive from forward to backward in every layer at
+once (at 1:4 the size of the dense bf16 weight), while the lookup it would save in backward is 2 kernels. Nothing is
+cached, so activation checkpointing re-runs the same forward (DESIGN decision 16)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ INIT_MODES = ("swi", "hf")
 
 
 class NMLinearFunction(torch.autograd.Function):
-    """y = x @ scatter(values)^T + b; saves x, the decompressed weight W and the codes: backward multiplies by the
+    """y = x @ decompress(values)^T + b; saves x, the decompressed weight W and the codes: backward multiplies by the
     forward's W instead of scattering it again, and looks the positions up from the codes for the gather of the
     weight gradient, so no index-sized tensor is saved. Saving the codes also lets autograd refuse a backward after
     the codes changed in place (a topology installed mid-step)."""
