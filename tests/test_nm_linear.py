@@ -125,27 +125,35 @@ def test_function_passes_gradcheck_in_float64(spec):
         lambda x, v, b: NMLinearFunction.apply(x, v, layer.codes, spec, 8, b), (x, values, bias))
 
 
-def saved_shapes(module, x):
-    shapes = []
-
-    def pack(t):
-        shapes.append(tuple(t.shape))
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        y = module(x)
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_the_one_dense_weight_sized_tensor_saved_for_backward_is_the_decompressed_weight(spec):
+    # Issue 25: backward multiplies by the forward's W (one dense weight per projection held from forward to
+    # backward) instead of decompressing again; x is saved too, and nothing else is weight-sized.
+    out_f, in_f = 12, 16
+    layer = NMSparseLinear(in_f, out_f, spec, bias=True, dtype=torch.float64)
+    saved = []
+    with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(torch.randn(5, in_f, dtype=torch.float64, requires_grad=True))
+    dense = [t for t in saved if t.numel() == out_f * in_f]
+    assert len(dense) == 1 and dense[0].shape == (out_f, in_f), [tuple(t.shape) for t in saved]
+    assert torch.equal(dense[0], dense_masked_weight(layer)[0])
     y.sum().backward()
-    return shapes
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_no_dense_weight_sized_tensor_is_saved_for_backward(spec):
-    out_f, in_f = 12, 16
-    x = torch.randn(5, in_f, requires_grad=True)
-    shapes = saved_shapes(NMSparseLinear(in_f, out_f, spec, bias=True), x)
-    assert shapes and all(math.prod(s) != out_f * in_f for s in shapes), shapes
-    # The probe sees a dense layer's weight, so it would see ours.
-    assert any(math.prod(s) == out_f * in_f for s in saved_shapes(nn.Linear(in_f, out_f), x))
+def test_a_forward_and_backward_decompress_the_weight_once(spec):
+    # The decompression (nm.decompress_groups) is one mul of the values by one-hot rows at N = 1, new_zeros +
+    # scatter_ above; a backward rebuilding W would add a second. The codes are looked up twice (forward's
+    # decompression, backward's gather): a cast and an embedding each.
+    count_ops = import_tool("benchlib").count_ops
+    layer = NMSparseLinear(16, 12, spec)
+    x = torch.randn(5, 16, requires_grad=True)
+    layer(x).sum().backward()   # the lookup tables are built on a first call
+    by_op = count_ops(lambda: layer(x).sum().backward())[0].by_op
+    scatters = 0 if spec.n == 1 else 1
+    assert by_op["aten.scatter_.src"] == by_op["aten.new_zeros.default"] == scatters, by_op
+    assert by_op["aten.mul.Tensor"] == 1 - scatters, by_op   # sum().backward() expands, it does not multiply
+    assert by_op["aten.embedding.default"] == 2 and by_op["aten.gather.default"] == 1, by_op
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)

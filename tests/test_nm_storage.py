@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from distsparse.nm import (
     NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, gather_groups, gather_kept,
-    is_legal, kept_index, kept_positions, mask_from_scores, motif_ids, move_slots, random_mask, row_patterns,
-    scatter_groups, scatter_kept, slot_map,
+    decompress_groups, is_legal, kept_index, kept_positions, mask_from_scores, motif_ids, move_slots, random_mask,
+    row_patterns, scatter_groups, scatter_kept, slot_map,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -211,6 +211,23 @@ def test_kept_positions_are_each_groups_kept_columns_and_give_the_flat_index_res
                        gather_kept(dense, index, values.shape[1]).view(torch.int32))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SPECS), st.integers(1, 5), st.integers(1, 13), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+@example(NMSpec(1), 3, 5, 0, torch.bfloat16)   # 1:4 rows of 5 kept values: 3 padding slots in the last byte
+@example(NMSpec(1, 4, "block"), 2, 3, 0, torch.bfloat16)
+def test_decompress_groups_equals_a_brute_force_decode_in_the_values_dtype(spec, rows, groups, seed, dtype):
+    # The forward's W (N = 1: values x one-hot rows; N > 1: zeros + scatter), every value where the codes put it and
+    # zeros elsewhere, in the values' dtype and row-major whatever the layout's strided lookup.
+    out_f, in_f = (4 * rows if spec.layout == "block" else rows), 4 * groups
+    gen = torch.Generator().manual_seed(seed)
+    meta = NMMeta(random_codes(spec, out_f, in_f, gen), spec, (out_f, in_f))
+    values = torch.randn(out_f, in_f * spec.n // 4, generator=gen, dtype=torch.float64).to(dtype)
+    dense = decompress_groups(values, meta)
+    assert dense.dtype == dtype and dense.shape == (out_f, in_f) and dense.is_contiguous()
+    assert torch.equal(dense.double(), brute_force_decompress(values.double(), meta.codes, spec, out_f, in_f))
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_kept_positions_and_the_decompressed_matrix_live_on_the_device_of_the_codes(spec):
     # The lookup tables are cached on the CPU and moved to the codes' device; meta tensors prove the move without a
@@ -220,6 +237,8 @@ def test_kept_positions_and_the_decompressed_matrix_live_on_the_device_of_the_co
     pos = kept_positions(meta)
     assert pos.device.type == "meta" and pos.shape == kept_positions(cpu).shape
     assert decompress(torch.empty(8, 16 * spec.n // 4, device="meta"), meta).device.type == "meta"
+    dense = decompress_groups(torch.empty(8, 16 * spec.n // 4, device="meta", dtype=torch.bfloat16), meta)
+    assert dense.device.type == "meta" and dense.dtype == torch.bfloat16 and dense.shape == (8, 16)
 
 
 @FAST

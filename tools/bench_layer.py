@@ -3,9 +3,9 @@
 For `tokens` x (512->1376, 1376->512, 768->2048) it times one forward + backward (input, values grads) of
 NMSparseLinear at 1:4 and 2:4, row- and block-wise, against an `nn.Linear` of the same shape measured in the same
 run, paired and interleaved (tools/benchlib.py), and reports the median per-round ratio. The target on CPU is
-every ratio <= 1.15: training runs a dense GEMM on the decompressed weight, so deriving the flat index from the
-codes (twice: forward and backward), the decompress (index_copy_ into zeros) and the gather of the weight
-gradient must stay a few percent of the three GEMMs (research/sparse_kernels.md s2.2-3).
+every ratio <= 1.15: training runs a dense GEMM on the decompressed weight, so looking the positions up from the
+codes (twice: forward and backward), the decompress (one scatter into zeros, forward only: backward reuses W) and
+the gather of the weight gradient must stay a few percent of the three GEMMs (research/sparse_kernels.md s2.2-3).
 
 One CPU thread by default: on a small shared VM every OpenMP parallel region of the decompress and gather can
 wait a scheduler time slice for its second thread when another process holds a core (measured here: 0.4 ms

@@ -185,6 +185,37 @@ def _motif_row_columns(n: int, device: torch.device) -> torch.Tensor:
     return _motif_columns(n, torch.device("cpu")).view(-1, M * n).to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_one_hot(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 16] of `dtype`: `_byte_positions` with each position as a one-hot row of 4 (`decompress_groups`)."""
+    return F.one_hot(_byte_positions(torch.device("cpu")), M).view(256, -1).to(device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _motif_row_one_hot(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[P, 4 * n * 4] of `dtype`: `_motif_row_columns` with each column as a one-hot row of 4."""
+    cols = _motif_row_columns(n, torch.device("cpu"))
+    return F.one_hot(cols, M).view(cols.shape[0], -1).to(device, dtype)
+
+
+def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+    """Per kept value, the `tail`-shaped entry of a lookup table keyed by code byte (row-wise, 4 entries per row of
+    `row_table`) or by motif id (block-wise, 4 * n per row), laid out as `kept_positions` documents."""
+    out_f, in_f = meta.shape
+    n = meta.spec.n
+    # An embedding lookup (index_select of table rows): advanced indexing `table[key]` measured 3-5x slower on CPU.
+    key = meta.codes.long()
+    if meta.spec.layout == "block":
+        blocks_out, blocks_in = key.shape
+        cols = F.embedding(key, block_table)                                      # [BO, BI, 4 * n * tail]
+        return cols.view(blocks_out, blocks_in, M, n, *tail).transpose(1, 2)
+    pos = F.embedding(key, row_table)                                             # [out, bytes, 4 * tail]
+    k = meta.kept_per_row
+    if pos.shape[1] * M != k:   # padding slots in the last byte of each row
+        pos = pos.view(out_f, -1, *tail)[:, :k]
+    return pos.view(out_f, in_f // M, n, *tail)
+
+
 def kept_positions(meta: NMMeta) -> torch.Tensor:
     """int64 position (0-3) of every kept value inside its group of 4 input columns, derived from the codes by one
     table lookup per code byte (row-wise) or per block (block-wise), with no index arithmetic. Shaped so that
@@ -196,19 +227,22 @@ def kept_positions(meta: NMMeta) -> torch.Tensor:
 
     Both layouts keep values row-major with N per 4-column group (a transposable block keeps N per row too), so the
     groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value)."""
-    out_f, in_f = meta.shape
-    n = meta.spec.n
-    # An embedding lookup (index_select of table rows): advanced indexing `table[key]` measured 3-5x slower on CPU.
-    key = meta.codes.long()
-    if meta.spec.layout == "block":
-        blocks_out, blocks_in = key.shape
-        cols = F.embedding(key, _motif_row_columns(n, key.device))                # [BO, BI, 4 * n]
-        return cols.view(blocks_out, blocks_in, M, n).transpose(1, 2)
-    pos = F.embedding(key, _byte_positions(key.device))                           # [out, bytes, 4]
-    k = meta.kept_per_row
-    if pos.shape[1] * M != k:   # padding slots in the last byte of each row
-        pos = pos.view(out_f, -1)[:, :k]
-    return pos.view(out_f, in_f // M, n)
+    device = meta.codes.device
+    return _lookup(meta, _byte_positions(device), _motif_row_columns(meta.spec.n, device), ())
+
+
+def decompress_groups(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
+    """Dense [out, in] of `values`' dtype, the matrix `scatter_groups(values, kept_positions(meta), meta.shape)`
+    builds. At N = 1 a group holds one value, so the group is that value times the one-hot row of its position:
+    one multiply (the lookup gives one-hot rows instead of positions, as many bytes at bf16), where the scatter
+    is two kernels (zeros, then scatter). Equal for finite values (a zero slot is +-0; an inf value would write
+    nan beside it, where a scatter leaves zeros)."""
+    if meta.spec.n != 1:
+        return scatter_groups(values, kept_positions(meta), meta.shape)
+    device, n = meta.codes.device, meta.spec.n
+    one_hot = _lookup(meta, _byte_one_hot(values.dtype, device), _motif_row_one_hot(n, values.dtype, device), (M,))
+    # values first: the product then takes values' row-major layout, also against the block-wise strided view
+    return (values.view(*one_hot.shape[:-1], 1) * one_hot).view(meta.shape)
 
 
 def scatter_groups(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
