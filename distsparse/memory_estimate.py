@@ -24,6 +24,9 @@ Parts (DESIGN s6; tools/scale_check.py's docstring says how each is measured):
   activations        Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2), bf16, no dropout-free correction:
                      per layer s*b*h*(34 + 5*a*s/h) bytes without activation checkpointing, ~2*s*b*h bytes (the
                      layer's saved input) with model.activation_checkpointing
+  decompressed_weights  the dense W each sparse projection's forward keeps for its backward (layers/nm_linear.py:
+                     no second decompression), dtype x out x in: every layer's without activation checkpointing,
+                     one layer's (the layer being recomputed) with it
 Not counted: buffers inside the collectives, the logits and loss, and the allocator's fragmentation.
 """
 
@@ -160,6 +163,13 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, la
     return layers * per_layer
 
 
+def decompressed_weight_bytes(matrices: dict[str, dict[str, Any]], layers: int, checkpointing: bool,
+                              dtype_bytes: int) -> int:
+    """The dense weights the sparse layers hold from forward to backward (module docstring)."""
+    total = dtype_bytes * sum(m["frame"][0] * m["frame"][1] for m in matrices.values() if m["codes"])
+    return total // layers if checkpointing else total
+
+
 # ---- tables ------------------------------------------------------------------------------------------------------
 
 def scale_table(matrices: dict[str, dict[str, Any]], method: str, dense_method: str, world_sizes: tuple[int, ...],
@@ -220,7 +230,8 @@ def estimate_run(model: nn.Module, cfg: Config, ds_config: dict, world_size: int
     ranks = [{"dense_side": dense, "backbone": state_parts(r),
               "transient": {"grad_staging": r["grad_transient_peak"], "value_gather": gather,
                             "reduce_bucket": reduce_bucket},
-              "activations": {"activations": activations}} for r in matrices]
+              "activations": {"activations": activations, "decompressed_weights": decompressed_weight_bytes(
+                  shapes, m.num_hidden_layers, m.activation_checkpointing, dtype_bytes)}} for r in matrices]
     return {"world_size": world_size, "dtype": "bf16" if dtype_bytes == 2 else "fp32", "zero_stage": stage,
             "grad_accum_mode": mode, "engine_mode": cfg.engine.mode, "micro_batch": cfg.train.micro_batch,
             "grad_accum": cfg.train.grad_accum, "seq_len": cfg.data.seq_len,
