@@ -32,11 +32,12 @@ CHTs 1:4 + TANS (issue 9 target >= 0.70 on CPU). The ratio is a tokens/s ratio: 
 timed one after another, so on a shared machine their absolute tokens/s see different loads: the ratios are the
 comparison, and `dense_adamw_step_s_paired` (the median dense AdamW step of each row's rounds) shows the drift.
 
-FLOPs convention (dense-equivalent, PaLM App. B): 6 x (dense-equivalent backbone parameters + LM head) x tokens +
-12 x layers x hidden x seq_len x tokens (attention scores and values, not halved for causality); the input
-embedding is a lookup and is not counted; sparse rows are charged the dense model's FLOPs. Achieved FLOP/s is
-that over the effective step time. MFU divides it by an assumed peak (bf16 dense tensor-core FLOP/s per GPU:
-H100/H200 989 TFLOP/s, A100 312 TFLOP/s); on CPU no peak is assumed and only achieved FLOP/s is reported.
+FLOPs convention (distsparse/perf/flops.py, the one the trainer's log uses; dense-equivalent, PaLM App. B):
+6 x (dense-equivalent backbone parameters + LM head) x tokens + 12 x layers x hidden x seq_len x tokens (attention
+scores and values, not halved for causality); the input embedding is a lookup and is not counted; sparse rows are
+charged the dense model's FLOPs. Achieved FLOP/s is that over the effective step time. MFU divides it by the bf16
+dense peak of the GPU (flops.PEAK_FLOPS: H100 SXM/H200 989 TFLOP/s, A100 312 TFLOP/s) times the ranks; on CPU and on
+GPUs not in that table no peak is assumed and only achieved FLOP/s is reported.
 Energy: on NVIDIA GPUs, NVML's total-energy counter (pynvml from the `gpu` extra) read around every timed step
 on each rank's device (NVML index = local rank: CUDA_VISIBLE_DEVICES must not reorder devices), summed over ranks;
 joules per token. On CPU (or without pynvml) energy is skipped with the reason in the JSON.
@@ -65,6 +66,7 @@ import numpy as np
 import torch
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
+from distsparse.perf.flops import device_peak_flops, mfu, model_step_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = {   # preset -> Table A13 label
@@ -85,7 +87,6 @@ TOTAL_STEPS = 10000                # the schedules' horizon (lr, T_end); only th
 BOUNDARY = ("reduce", "dense_step", "backbone_step", "gather")   # the accumulation boundary but the refresh
 MEDIAN_KEYS = ("data", "forward", "backward", *BOUNDARY, "optimizer", "step")
 COUNT_KEYS = ("ops_per_step", "ops_per_fwd_bwd", "host_syncs_per_step")
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}   # bf16 dense, per GPU (vendor data sheets)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -236,9 +237,14 @@ def _energy_reader(rank: int) -> tuple[Callable[[], float] | None, str | None]:
     return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0, None   # mJ -> J
 
 
-def dense_equivalent_flops(num_matmul_params: int, layers: int, hidden: int, seq_len: int, tokens: int) -> float:
-    """FLOPs of one training step over `tokens` tokens (module docstring's convention)."""
-    return 6.0 * num_matmul_params * tokens + 12.0 * layers * hidden * seq_len * tokens
+def flops_per_step(trainer, seq_len: int, tokens: int) -> float:
+    """Dense-equivalent FLOPs of one step of `trainer`'s model over `tokens` tokens (module docstring)."""
+    return model_step_flops(trainer.model, seq_len, tokens).dense_equivalent
+
+
+def mfu_by_row(rows: dict[str, dict[str, Any]], flops: float, peak: float | None, world_size: int) -> dict:
+    """Per row, MFU of `flops` per step over its effective step time (None without a peak)."""
+    return {m: (mfu(flops, r["effective_step_s"], peak, world_size) if peak else None) for m, r in rows.items()}
 
 
 def _rank_main(rank: int, world_size: int, args: dict, data_dir: str, out_root: str) -> dict:
@@ -283,11 +289,8 @@ def _rank_main(rank: int, world_size: int, args: dict, data_dir: str, out_root: 
     log(f"{REFERENCE}: building and warming up")
     reference = build(REFERENCE)
     counts_by_row = {REFERENCE: warm(reference)}
-    model_cfg = reference.cfg.model
     counts = parameter_counts(reference.model)
-    flops = dense_equivalent_flops(counts["backbone_dense_equivalent"] + args["vocab"] * model_cfg.hidden_size,
-                                   model_cfg.num_hidden_layers, model_cfg.hidden_size, args["seq_len"],
-                                   args["micro_batch"] * args["seq_len"] * world_size)
+    flops = flops_per_step(reference, args["seq_len"], args["micro_batch"] * args["seq_len"] * world_size)
     steps: dict[str, list[dict]] = {m: [] for m in args["rows"]}
     refresh: dict[str, dict | None] = {}
     intervals: dict[str, int | None] = {REFERENCE: None}
@@ -369,16 +372,6 @@ def summarize(per_rank: list[dict], tokens_per_step: int) -> dict[str, Any]:
     return rows
 
 
-def _peak_flops() -> tuple[float | None, str]:
-    if not torch.cuda.is_available():
-        return None, "CPU: no peak assumed; achieved dense-equivalent FLOP/s only"
-    name = torch.cuda.get_device_name(0)
-    for key, peak in PEAK_FLOPS.items():
-        if key in name:
-            return peak, f"{name}: assumed peak {peak / 1e12:.0f} TFLOP/s bf16 dense per GPU"
-    return None, f"{name}: no peak known to this tool; achieved dense-equivalent FLOP/s only"
-
-
 def main(argv: list[str] | None = None, runner: Callable[..., list] | None = None) -> dict[str, Any]:
     """Parse, run every row on `args.nproc` ranks, print the table, write the JSON; returns the JSON payload.
     `runner(fn, world_size, *args)` runs fn on every rank: fresh processes by default (`spawn_ranks`); the test
@@ -395,7 +388,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
     rows = summarize(per_rank, tokens_per_step)
     counts = combine_counts(per_rank)
     flops = per_rank[0]["flops_per_step"]
-    peak, mfu_note = _peak_flops()
+    peak, mfu_note = device_peak_flops(torch.device("cuda", 0) if torch.cuda.is_available() else "cpu")
     energy_skipped = per_rank[0]["energy_skipped"]
     payload: dict[str, Any] = {
         "tokens_per_s": {m: r["tokens_per_s"] for m, r in rows.items()},
@@ -406,7 +399,7 @@ def main(argv: list[str] | None = None, runner: Callable[..., list] | None = Non
         **{key: {m: c[key] for m, c in counts.items()} for key in COUNT_KEYS},
         "counts_by_rank": [rk["counts"] for rk in per_rank],
         "achieved_tflops": {m: flops / r["effective_step_s"] / 1e12 for m, r in rows.items()},
-        "mfu": {m: (flops / r["effective_step_s"] / (peak * args.nproc) if peak else None) for m, r in rows.items()},
+        "mfu": mfu_by_row(rows, flops, peak, args.nproc),
         "joules_per_token": ({m: r["joules_per_token"] for m, r in rows.items()} if energy_skipped is None
                              else {"skipped": energy_skipped}),
         "machine": machine_info(),

@@ -29,6 +29,7 @@ from distsparse.layers.projection import SparseProjection
 from distsparse.models import backbone_modules, backbone_param, build_model, parameter_counts
 from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
+from distsparse.perf.flops import device_peak_flops, model_step_flops
 from distsparse.step_timer import StepTimer
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
@@ -36,12 +37,14 @@ from distsparse.train.joint_step import JointOptimizer, StepReport
 from distsparse.train.method_hooks import build_method_hooks
 from distsparse.train.metrics import build_writer, peak_memory_gb
 from distsparse.train.preemption import PreemptionFlag
+from distsparse.train.progress import WINDOW_STEPS, StepWindow, progress_metrics
 from distsparse.train.schedule import lr_factor
 from distsparse.train.step_inputs import StepInputs
 from distsparse.train.topology_policy import TopologyPolicy
 
 log = logging.getLogger("distsparse")
-EVERY_STEP = ("loss", "lr", "optim", "time", "memory")   # metric groups of every step; any other is logged when seen
+# Metric groups of every step; a step with any other group (validation, method statistics) is logged when seen.
+EVERY_STEP = ("loss", "lr", "optim", "time", "memory", "progress", "perf")
 
 
 @dataclass
@@ -261,6 +264,10 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step over all ranks: micro-batch x accumulation x ranks."""
+        return self.cfg.train.micro_batch * self.cfg.train.grad_accum * self.world_size
+
     def train(self) -> TrainResult:
         cfg = self.cfg
         out_dir = Path(cfg.train.out_dir)
@@ -269,15 +276,22 @@ class Trainer:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             log.info("parameters: %s", counts)
-        tokens_per_step = cfg.train.micro_batch * cfg.train.grad_accum * self.world_size * cfg.data.seq_len
-        start = time.perf_counter()
+        tokens_per_step = self.global_batch_size() * cfg.data.seq_len
+        flops = model_step_flops(self.model, cfg.data.seq_len, tokens_per_step)
+        peak_flops, peak_note = device_peak_flops(self.device)
+        if self.rank == 0:
+            log.info("MFU: %s", peak_note)
+        window = StepWindow(WINDOW_STEPS, time.perf_counter())   # this process's steps only (a resume starts anew)
         metrics, val_loss, val_ppl = {}, float("nan"), float("nan")
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             report = self.step_once()
             step_time = time.perf_counter() - t0
-            metrics = {**report.metrics, **report.timings, "time/step_s": step_time,
-                       "time/tokens_per_s": tokens_per_step / step_time, "memory/peak_gb": peak_memory_gb()}
+            window.add(step_time, tokens_per_step, time.perf_counter())
+            metrics = {**report.metrics, **report.timings, "time/step_s": step_time, "memory/peak_gb": peak_memory_gb(),
+                       **progress_metrics(window, tokens_seen=self.inputs.consumed_samples * cfg.data.seq_len,
+                                          remaining_steps=cfg.train.steps - self.step, flops=flops,
+                                          peak_flops=peak_flops, world_size=self.world_size)}
             method_metrics = {}
             if self.step % cfg.train.eval_interval == 0 or self.step == cfg.train.steps:
                 val_loss, val_ppl = self.evaluate()
@@ -287,7 +301,7 @@ class Trainer:
             if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps or periodic:
                 self.writer.log(metrics, self.step)
                 if self.rank == 0:
-                    log.info(self._log_line(metrics, method_metrics, time.perf_counter() - start))
+                    log.info(self._log_line(metrics, method_metrics))
             if self.report.preempt:   # agreed in the step's all-reduce: every rank saves and stops here
                 log.warning("preemption signal: saving a checkpoint at step %d and exiting", self.step)
                 self.save()
@@ -304,14 +318,18 @@ class Trainer:
             (out_dir / "result.json").write_text(json.dumps({"step": self.step, **final}, indent=2))
         return TrainResult(self.step, train_loss, val_loss, val_ppl)
 
-    def _log_line(self, metrics: dict[str, float], method_metrics: dict[str, float], elapsed: float) -> str:
-        """Rank 0's console line: step, loss, grad_norm (when measured), lr, tokens/s, ETA, validation, method."""
-        total = self.cfg.train.steps
-        line = f"step {self.step}/{total} | loss {metrics['loss/train']:.4f}"
+    def _log_line(self, metrics: dict[str, float], method_metrics: dict[str, float]) -> str:
+        """Rank 0's console line: step, loss, grad_norm (when measured), lr, tokens/s (window), tokens seen, MFU
+        (with a known peak), ETA, validation, method."""
+        line = f"step {self.step}/{self.cfg.train.steps} | loss {metrics['loss/train']:.4f}"
         if "optim/grad_norm" in metrics:
             line += f" | grad_norm {metrics['optim/grad_norm']:.3f}"
         line += (f" | lr {metrics['lr/dense']:.2e} | tok/s {metrics['time/tokens_per_s']:.0f} | "
-                 f"eta {elapsed / self.step * (total - self.step):.0f}s")
+                 f"tokens {metrics['progress/tokens_seen']:.4g}")
+        if "perf/mfu_dense_equiv" in metrics:
+            line += (f" | mfu_dense_equiv {100 * metrics['perf/mfu_dense_equiv']:.1f}%"
+                     f" | mfu_active {100 * metrics['perf/mfu_active']:.1f}%")
+        line += f" | eta {metrics['progress/eta_s']:.0f}s"
         if "loss/val" in metrics:
             line += f" | val_loss {metrics['loss/val']:.4f} | val_ppl {metrics['loss/val_ppl']:.2f}"
         return line + "".join(f" | {key.rsplit('/', 1)[-1]} {value:.3f}" for key, value in method_metrics.items())
