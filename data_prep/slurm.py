@@ -54,7 +54,7 @@ class PrepTask(submitit.helpers.Checkpointable):
 
 
 def make_executor(args: argparse.Namespace, folder: Path, num_proc: int) -> submitit.Executor:
-    from launch.slurm import parse_time
+    from distsparse.cli.slurm import parse_time
     if args.tasks < 1:
         raise ValueError(f"--tasks: got {args.tasks}; allowed: >= 1")
     minutes = parse_time(args.time)

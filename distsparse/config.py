@@ -264,7 +264,7 @@ class MethodConfig:
     @property
     def separate_branch_group(self) -> bool:
         """True when the branch parameters get their own DeepSpeed parameter group (a rate or decay of their own)."""
-        return self.branch_lr is not None or self.branch_weight_decay is not None
+        return separate_branch_group(dataclasses.asdict(self))
 
     @property
     def rule_params(self) -> Any:
@@ -554,6 +554,12 @@ def config_to_dict(cfg: Any) -> dict:
 # did: a recorded run without the key reads as one with that value, so it is still the same config.
 ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None,   # issue 28: one dense group
               ("train", "global_batch_size"): 0}   # issue 26: the global batch from micro_batch x grad_accum x world
+
+
+def separate_branch_group(method: dict) -> bool:
+    """Of a method section as config_to_dict writes it (a recorded run's too): the branch has its own group."""
+    method = with_added_keys({"method": method})["method"]
+    return method["branch_lr"] is not None or method["branch_weight_decay"] is not None
 
 
 def with_added_keys(config: dict) -> dict:

@@ -22,17 +22,17 @@ What it counts:
           should hold.
 Host tensors: a CPU tensor that stays on the host on every device (torch Adam's step counters, the norm the joint
 step hands DeepSpeed) reads like a device tensor on a CPU run, though on a GPU its `.item()` waits for nothing.
-Name such tensors in `host_tensors`: they, and what ops compute from them alone (DeepSpeed's `bool(~isfinite(norm)
-.any())`), are host tensors whose scalar reads are not counted as syncs (still as ops).
+Name such tensors in `host_tensors`: they, and what ops compute from them alone on the CPU (DeepSpeed's
+`bool(~isfinite(norm).any())`), are host tensors whose scalar reads are not counted as syncs (still as ops).
 A counter inside another (or inside FakeTensorMode) counts what reaches it. Nested calls made by a kernel itself
 are not seen: the mode is off while one of its ops runs, as it is while the device runs it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterable
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -103,9 +103,9 @@ class OpCounter(TorchDispatchMode):
             c.syncs += 1
             c.sync_ops[name] += 1
         out = func(*args, **kwargs)
-        if from_host:
+        if from_host:   # a copy to a device (`.to(cuda)`) leaves the host: its later reads wait for the device
             for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                     self._add_host(t)
         return out
 

@@ -47,7 +47,10 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
         assert ph["optimizer"] > 0
         if row != "dense_adamw":
             assert ph["optimizer"] == pytest.approx(boundary)
-        assert ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"] <= ph["step"] + 1e-6
+        parts = ph["data"] + ph["forward"] + ph["backward"] + ph["optimizer"]
+        # Medians of 2 steps are means (linear: the parts add up within the step); the reference's medians over 10
+        # steps are not, and the sum of medians may pass the median step by a little on a noisy machine.
+        assert parts <= (ph["step"] + 1e-6) * (1.0 if row != "dense_adamw" else 1.25), (row, parts, ph["step"])
         if row in SPARSE:
             assert ph["refresh_step"] > 0 and ph["refresh"] == pytest.approx(ph["refresh_step"] / 100)
             assert payload["config"]["update_interval"][row] == 100

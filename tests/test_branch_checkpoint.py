@@ -67,14 +67,14 @@ def _train(rank, world_size, data_dir, out_dir, overrides):
     return out
 
 
-def _resume_and_save(rank, world_size, data_dir, out_dir, checkpoint):
+def _resume_and_save(rank, world_size, data_dir, out_dir, checkpoint, overrides=()):
     """Resume from `checkpoint` (train.steps = its step: no step is taken) and save again under out_dir."""
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", "train.steps=2",
-                                    f"checkpoint.resume={checkpoint}"])
+                                    f"checkpoint.resume={checkpoint}", *overrides])
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
     assert trainer.step == 2
-    lrs = {g["name"]: g["lr"] for g in trainer.engine.optimizer.param_groups}
+    lrs = {g.get("name", "one group"): g["lr"] for g in trainer.engine.optimizer.param_groups}
     trainer.train()
     trainer.close()
     return lrs
@@ -126,7 +126,7 @@ def test_every_save_holds_the_branch_adam_state_by_name_equal_to_deepspeeds_part
 
 def _resume_single(data_dir: str, out_dir: Path, checkpoint: Path) -> None:
     """One process, a world of one through the launcher's single-process path."""
-    script = "import sys; from launch.pretrain import main; sys.exit(main(sys.argv[1:]))"
+    script = "import sys; from distsparse.cli.pretrain import main; sys.exit(main(sys.argv[1:]))"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_")) and
            k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
@@ -151,3 +151,18 @@ def test_the_branch_adam_state_resumes_equal_by_name_on_two_ranks_and_on_one(ran
         assert again.keys() == saved.keys(), where
         for key in saved:
             assert torch.equal(again[key], saved[key]), (where, key)
+
+
+def test_a_resume_that_switches_the_branch_group_off_restores_the_state_by_name(ranks2, trained, data_dir, tmp_path):
+    """Saved with the branch in its own group, resumed on as many ranks with method.branch_lr/branch_weight_decay
+    null: DeepSpeed's own load would need the saved group layout (it failed after the process group had started),
+    so the dense state is restored by name, as on another world size."""
+    out_dir, _ = trained
+    checkpoint = out_dir / "checkpoints" / "step00000002"
+    lrs = ranks2.run(_resume_and_save, data_dir, str(tmp_path / "off"), str(checkpoint),
+                     ["method.branch_lr=null", "method.branch_weight_decay=null"])
+    assert lrs[0] == pytest.approx({"one group": TRAIN_LR * reference_factor(2)}, rel=1e-12)
+    saved, again = _saved_dense_state(out_dir, 2), _saved_dense_state(tmp_path / "off", 2)
+    assert again.keys() == saved.keys()
+    for key in saved:
+        assert torch.equal(again[key], saved[key]), key

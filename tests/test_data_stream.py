@@ -85,15 +85,21 @@ def _command(source: str, out: Path, tokenizer: str, *extra: str) -> list[str]:
             tokenizer, "--seq-len", "32", "--val-fraction", "0.1", *extra]
 
 
-def test_kill_9_in_the_middle_then_the_same_command_gives_the_files_of_an_uninterrupted_run(tmp_path, tokenizer):
-    _jsonl_files(tmp_path / "src", num_files=8, docs_per_file=1500)
+def _whole_then_start(tmp_path, tokenizer, num_files: int, docs_per_file: int):
+    """(source, whole, cut, proc): an uninterrupted 1-worker preparation in `whole`, then the same with 2 workers
+    started into `cut` in its own session (the caller interrupts it)."""
+    _jsonl_files(tmp_path / "src", num_files=num_files, docs_per_file=docs_per_file)
     source = f"files:{tmp_path / 'src'}/*.jsonl.gz"
     whole = tmp_path / "whole"
     subprocess.run(_command(source, whole, tokenizer, "--num-proc", "1"), check=True, cwd=ROOT)
-
     cut = tmp_path / "cut"
     proc = subprocess.Popen(_command(source, cut, tokenizer, "--num-proc", "2"), cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return source, whole, cut, proc
+
+
+def test_kill_9_in_the_middle_then_the_same_command_gives_the_files_of_an_uninterrupted_run(tmp_path, tokenizer):
+    source, whole, cut, proc = _whole_then_start(tmp_path, tokenizer, 8, 1500)
     deadline = time.monotonic() + 300
     while not len(list((cut / "parts").glob("*.json"))) >= 2 and proc.poll() is None:
         assert time.monotonic() < deadline, "no part finished in 300 s"
@@ -133,14 +139,7 @@ def test_kill_9_of_the_launcher_alone_ends_its_workers_and_the_same_command_resu
     that a restarted preparation writes too: they must follow their launcher within seconds. Parts take several
     seconds each, so a worker that only notices on its next task (multiprocessing's own EOF on the task pipe)
     would still be writing when the deadline passes."""
-    _jsonl_files(tmp_path / "src", num_files=4, docs_per_file=50000)
-    source = f"files:{tmp_path / 'src'}/*.jsonl.gz"
-    whole = tmp_path / "whole"
-    subprocess.run(_command(source, whole, tokenizer, "--num-proc", "1"), check=True, cwd=ROOT)
-
-    cut = tmp_path / "cut"
-    proc = subprocess.Popen(_command(source, cut, tokenizer, "--num-proc", "2"), cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    source, whole, cut, proc = _whole_then_start(tmp_path, tokenizer, 4, 50000)
     try:
         deadline = time.monotonic() + 300
         # A part of the second wave (2 or 3; 0 and 1 went first) under way: a worker is at the start of a part,

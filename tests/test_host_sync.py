@@ -41,6 +41,16 @@ def test_a_deepspeed_json_without_timers_is_completed_with_the_throughput_timer_
     assert ds["timers"]["throughput"]["enabled"] is False
 
 
+def test_a_named_throughput_timer_keeps_deepspeeds_default_as_its_warning_says():
+    cfg = load_config(None, ["train.dtype=fp32"])
+    zero2 = {"zero_optimization": {"stage": 2}}
+    ds = complete_ds_config({**zero2, "timers": {"throughput": {"synchronized": True}}}, cfg, cuda_available=False)
+    assert ds["timers"]["throughput"] == {"synchronized": True}   # DeepSpeed's default: enabled
+    assert warn_syncing_keys(ds) == ["timers.throughput.enabled"]
+    ds = complete_ds_config({**zero2, "timers": {}}, cfg, cuda_available=False)
+    assert ds["timers"]["throughput"] == {"enabled": False} and warn_syncing_keys(ds) == []
+
+
 @pytest.mark.parametrize("source, keys", [
     ({"timers": {"throughput": {}}}, ["timers.throughput.enabled"]),   # DeepSpeed's default: on, synchronized
     ({"timers": {"throughput": {"enabled": True}}}, ["timers.throughput.enabled"]),
@@ -131,3 +141,6 @@ def test_the_mask_free_causal_sdpa_gives_the_logits_of_sdpa():
         prefix = model(input_ids=x_cut).logits
     assert torch.equal(got, expected)
     torch.testing.assert_close(prefix, got[:, :12], rtol=1e-5, atol=1e-5)
+    for key, value in (("attention_mask", torch.ones_like(x)), ("position_ids", torch.arange(24).expand(2, 24))):
+        with pytest.raises(ValueError, match=f"{key}: got a tensor; allowed: None with the mask-free causal"):
+            model(input_ids=x, **{key: value})   # would be ignored: refused instead

@@ -66,9 +66,11 @@ def test_fp32_iteration_equals_a_float64_reference_loop(shape, coefficients):
     torch.testing.assert_close(out.double(), reference_ns(G, coefficients), rtol=0, atol=2e-5)
 
 
-def test_wide_and_tall_inputs_give_transposed_bit_identical_results():
+def test_wide_and_tall_inputs_give_transposed_results():
+    # Equal to float32 round-off, not bit for bit: which BLAS kernel (and summation order) a matmul of a transposed
+    # layout gets depends on the CPU (bit-identical on the machines before 2026-12-03, 9e-7 apart on this one).
     G = torch.randn(24, 56, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(newton_schulz(G.T.contiguous()), newton_schulz(G).T)
+    torch.testing.assert_close(newton_schulz(G.T.contiguous()), newton_schulz(G).T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)], ids=["tall", "wide"])

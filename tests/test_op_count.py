@@ -83,3 +83,12 @@ def test_scalar_reads_of_named_host_tensors_and_of_what_they_alone_compute_are_o
         other.item()
     assert counter.counts.syncs == 2 and counter.counts.sync_ops == {"_local_scalar_dense": 2}
     assert counter.counts.by_op["aten._local_scalar_dense.default"] == 4
+
+
+def test_a_host_tensor_copied_to_a_device_is_no_longer_a_host_tensor():
+    """`.to(device)` of a host tensor leaves the host: reading it back waits for the device (the meta device stands
+    in for a GPU on CPU runs; its scalar read is counted, then fails)."""
+    host = torch.zeros(())
+    with OpCounter(host_tensors=[host]) as counter, pytest.raises(RuntimeError, match="meta"):
+        host.to("meta").item()
+    assert counter.counts.sync_ops == {"_local_scalar_dense": 1}

@@ -62,6 +62,7 @@ def _timed_steps(rank, world_size, data_dir, out_dir):
         out[step] = {"wall": time.perf_counter() - t0, "timings": dict(report.timings),
                      "refreshed": any(k.startswith("topology/") for k in report.metrics)}
     trainer.train()       # steps 3 (not logged) and 4 (logged)
+    out["sampled"] = trainer.sampler.consumed_samples   # nothing prefetched past the last step
     trainer.close()
     if rank == 0:
         ea = EventAccumulator(str(Path(out_dir) / "tb"))
@@ -83,3 +84,4 @@ def test_a_logging_step_reports_every_phase_time_and_they_add_up_to_its_wall_tim
         total = sum(logged["timings"].values())
         assert 0.5 * logged["wall"] <= total <= logged["wall"] + 1e-3, (total, logged["wall"])
     assert results[0]["tb"] == {key: [4] for key in KEYS}
+    assert [out["sampled"] for out in results] == [4 * 2 * 1 * 2] * 2   # steps x grad_accum x micro_batch x ranks

@@ -52,13 +52,13 @@ def data_dir(tmp_path_factory):
     return make_data_dir(tmp_path_factory.mktemp("data"))
 
 
-def _train_with_fake(rank, world_size, data_dir, out_dir, steps):
+def _train_with_fake(rank, world_size, data_dir, out_dir, steps, overrides=()):
     from distsparse.train.trainer import Trainer
     record = Path(out_dir) / f"wandb_calls_rank{rank}.jsonl"
     sys.modules["wandb"] = fake_wandb(record)
     try:
         cfg = load_config(None, BASE + WANDB + [f"data.dir={data_dir}", f"train.out_dir={out_dir}",
-                                                f"train.steps={steps}"])
+                                                f"train.steps={steps}", *overrides])
         trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
         trainer.train()
         trainer.close()
@@ -83,18 +83,27 @@ def test_rank_zero_logs_every_log_step_to_wandb_beside_tensorboard(ranks2, data_
     assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "TensorBoard still written"
 
 
-def test_a_second_start_in_the_same_out_dir_continues_the_same_wandb_run(tmp_path, monkeypatch):
+def test_a_resumed_trainer_logs_into_the_wandb_run_it_resumes(ranks2, data_dir, tmp_path):
+    ranks2.run(_train_with_fake, data_dir, str(tmp_path), 2, ["checkpoint.interval=2"])
+    r0, _ = ranks2.run(_train_with_fake, data_dir, str(tmp_path), 3, ["checkpoint.resume=auto"])
+    inits = [c for c in r0 if c["call"] == "init"]   # the record holds both runs
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"]
+    assert [c["step"] for c in r0 if c["call"] == "log"] == [1, 2, 3]
+
+
+def test_a_resume_in_the_same_out_dir_continues_the_wandb_run_and_a_fresh_start_does_not(tmp_path, monkeypatch):
     record = tmp_path / "calls.jsonl"
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(record))
     cfg = load_config(None, WANDB + [f"train.out_dir={tmp_path / 'out'}"])
-    first = build_writer(cfg, 0)
+    first = build_writer(cfg, 0, resumed=False)
     assert isinstance(first, FanOut) and isinstance(first.writers[0], TensorBoardWriter)
     first.close()
-    build_writer(cfg, 0).close()
+    build_writer(cfg, 0, resumed=True).close()
+    build_writer(cfg, 0, resumed=False).close()   # from step 0 again: the old run's steps would go backwards
     ids = [c["id"] for c in calls(record) if c["call"] == "init"]
-    assert len(ids) == 2 and ids[0] == ids[1] == (tmp_path / "out" / WANDB_ID_FILE).read_text()
-    assert isinstance(build_writer(cfg, 1), NullWriter)
-    off = build_writer(load_config(None, [f"train.out_dir={tmp_path / 'off'}"]), 0)
+    assert len(ids) == 3 and ids[0] == ids[1] != ids[2] == (tmp_path / "out" / WANDB_ID_FILE).read_text()
+    assert isinstance(build_writer(cfg, 1, resumed=False), NullWriter)
+    off = build_writer(load_config(None, [f"train.out_dir={tmp_path / 'off'}"]), 0, resumed=False)
     assert isinstance(off, TensorBoardWriter), "mode disabled (the default): TensorBoard only"
     off.close()
 

@@ -2,22 +2,19 @@
 JSON.
 
 Every benchmark in tools/ computes, prints a table last and, with `--json PATH`, writes the same numbers as
-JSON holding `machine` (`machine_info()`, from distsparse/report.py), `config` (every setting that moves the numbers) and the
-figures its issue names as top-level keys. The machines are noisy (shared VMs), so comparisons are paired: both
-callables run in every round, in alternating order, and the statistic is the median of per-round ratios.
+JSON holding `machine` (`machine_info()`, from distsparse/report.py), `config` (every setting that moves the
+numbers) and the figures its issue names as top-level keys. The machines are noisy (shared VMs), so comparisons
+are paired: both callables run in every round, in alternating order, and the statistic is the median of per-round
+ratios. Op counts are the library's (distsparse/op_count.py).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from distsparse.op_count import count_ops  # noqa: F401  (the tools' API: the library's op counter)
 from distsparse.report import add_json_arg, machine_info, print_table, write_json  # noqa: F401  (the tools' API)
 
 
@@ -83,35 +80,3 @@ def paired_cpu_and_wall(fn_a: Callable[[], Any], fn_b: Callable[[], Any], warmup
     per_round = [x / y for x, y in zip(cpu_a, cpu_b)]
     return {"ratio": statistics.median(per_round), "ratios": per_round, "cpu_a": statistics.median(cpu_a),
             "cpu_b": statistics.median(cpu_b), "wall_ratio": wall_ratio, "wall_a": wall_a, "wall_b": wall_b}
-
-
-@dataclass
-class OpCounts:
-    ops: int = 0                                      # aten ops dispatched, views included
-    views: int = 0                                    # of which only alias their input (launch nothing)
-    by_op: Counter = field(default_factory=Counter)   # "aten.mm.default" -> count
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops a piece of code dispatches below autograd, the same on every device: on a GPU each op
-    that is not a view is at least one kernel launch, so `ops - views` bounds the launches. The names (`OpCounter`,
-    `OpCounts.ops/views/by_op`, `count_ops`) follow the op counter issue 25's optimizer stream adds to the library,
-    so a benchmark can switch to that one by its import alone."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts = OpCounts()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.counts.ops += 1
-        self.counts.views += int(func.is_view)
-        self.counts.by_op[str(func)] += 1
-        return out
-
-
-def count_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[OpCounts, Any]:
-    """(counts, result) of one call of fn(*args, **kwargs) under an OpCounter."""
-    with OpCounter() as counter:
-        result = fn(*args, **kwargs)
-    return counter.counts, result

@@ -110,8 +110,8 @@ def simulated_world(world_size: int, rank: int, log: list[CollectiveRecord], dev
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: got {rank} with world_size {world_size}; allowed: 0 .. {world_size - 1}")
 
-    def record(kind: str, tensor: torch.Tensor, async_op: bool):
-        log.append(CollectiveRecord(kind, tensor.numel() * tensor.element_size()))
+    def record(kind: str, buffer, async_op: bool):
+        log.append(CollectiveRecord(kind, tensor_bytes(buffer)))
         return _Work() if async_op else None
 
     patches = {
@@ -124,8 +124,7 @@ def simulated_world(world_size: int, rank: int, log: list[CollectiveRecord], dev
         "all_reduce": lambda t, *a, async_op=False, **k: record("all_reduce", t, async_op),
         "broadcast": lambda t, *a, async_op=False, **k: record("broadcast", t, async_op),
         "reduce_scatter_tensor": lambda out, inp, *a, async_op=False, **k: record("reduce_scatter", inp, async_op),
-        "reduce_scatter": lambda out, inputs, *a, async_op=False, **k: record(
-            "reduce_scatter", torch.cat([t.reshape(-1) for t in inputs]), async_op),
+        "reduce_scatter": lambda out, inputs, *a, async_op=False, **k: record("reduce_scatter", inputs, async_op),
         "all_gather_into_tensor": lambda out, inp, *a, async_op=False, **k: record("all_gather", out, async_op),
     }
     with contextlib.ExitStack() as stack:

@@ -111,7 +111,8 @@ def complete_ds_config(source: dict, cfg: Config, cuda_available: bool | None = 
     if not cuda:
         params.setdefault("torch_adam", True)   # no JIT C++ build on CPU
     ds.setdefault("steps_per_print", 10**9)      # the trainer prints its own line
-    ds.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
+    # Off unless the file names the timer (then DeepSpeed's own default, on, and the warning below say so).
+    ds.setdefault("timers", {}).setdefault("throughput", {"enabled": False})
     warn_syncing_keys(source)
     return ds
 

@@ -54,14 +54,15 @@ class TensorBoardWriter:
 
 
 class WandbWriter:
-    """One W&B run per train.out_dir: its id is kept in the out dir, so a resume (any world size) appends to it."""
+    """One W&B run per training run: its id is kept in train.out_dir, so a resume (any world size) appends to it; a
+    run that starts from step 0 takes a new id (an old run's steps would go backwards, which W&B drops)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, resumed: bool):
         import wandb
         out_dir = Path(cfg.train.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         id_file = out_dir / WANDB_ID_FILE
-        if not id_file.exists():
+        if not resumed or not id_file.exists():
             id_file.write_text(uuid.uuid4().hex[:12])   # W&B ids: [a-z0-9], unique per project
         w = cfg.logging.wandb
         self.run = wandb.init(project=w.project, name=w.name or None, mode=w.mode, dir=str(out_dir),
@@ -96,13 +97,14 @@ class FanOut:
             w.close()
 
 
-def build_writer(cfg: Config, rank: int) -> MetricsWriter:
-    """Rank 0: TensorBoard under <train.out_dir>/tb, plus W&B unless disabled; other ranks: nothing."""
+def build_writer(cfg: Config, rank: int, resumed: bool) -> MetricsWriter:
+    """Rank 0: TensorBoard under <train.out_dir>/tb, plus W&B unless disabled (`resumed`: continue the W&B run of
+    train.out_dir); other ranks: nothing."""
     if rank != 0:
         return NullWriter()
     writers: list[MetricsWriter] = [TensorBoardWriter(str(Path(cfg.train.out_dir) / "tb"))]
     if cfg.logging.wandb.mode != "disabled":
-        writers.append(WandbWriter(cfg))
+        writers.append(WandbWriter(cfg, resumed))
     return writers[0] if len(writers) == 1 else FanOut(writers)
 
 

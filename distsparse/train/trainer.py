@@ -22,7 +22,7 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.checkpoint import CheckpointManager, resume_changes
-from distsparse.config import Config, config_to_dict
+from distsparse.config import Config, config_to_dict, separate_branch_group
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.layers.projection import SparseProjection
@@ -141,7 +141,6 @@ class Trainer:
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
                                     topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s),
                                     timer=self.timer)
-        self.writer = build_writer(cfg, self.rank)
         self.step = 0
         self.report: StepReport | None = None
         self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
@@ -149,6 +148,7 @@ class Trainer:
         self.preemption = PreemptionFlag().install()
         if cfg.checkpoint.resume:
             self.resume(cfg.checkpoint.resume)
+        self.writer = build_writer(cfg, self.rank, resumed=self.step > 0)
 
     def _dense_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_scale(s))
@@ -173,10 +173,12 @@ class Trainer:
         batches = self.inputs.next()
         self.timer.mark("data")
         self.train_step(batches)
-        # The host collates the next step while the device still runs this one's queued updates and gathers.
-        self.inputs.prefetch()
-        self.timer.mark("data")
         self.step += 1
+        # The host collates the next step while the device still runs this one's queued updates and gathers; not
+        # after the last step, nor after a preempting one (its grace time goes to the save).
+        if self.step < self.cfg.train.steps and not self.report.preempt:
+            self.inputs.prefetch()
+        self.timer.mark("data")
         self.report.timings = self.timer.read()
         return self.report
 
@@ -238,10 +240,13 @@ class Trainer:
         changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
         if changes:
             log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
-        if m["world_size"] == self.world_size:
+        same_partitions = m["world_size"] == self.world_size and \
+            separate_branch_group(m["config"]["method"]) == self.cfg.method.separate_branch_group
+        if same_partitions:
             self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name)
         else:
-            # ZeRO files are per partition: load the module, then the dense optimizer state by name.
+            # ZeRO files are per partition and per parameter group (another world size, or method.branch_lr /
+            # branch_weight_decay switched on or off): load the module, then the dense optimizer state by name.
             self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name, load_module_only=True,
                                         load_optimizer_states=False, load_lr_scheduler_states=False)
             restore_dense_state(self.engine, self.model, self.checkpoints.load_tensors(ckpt, "dense_state.safetensors"),
