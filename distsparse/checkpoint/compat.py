@@ -63,9 +63,10 @@ def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[
     return changed
 
 
-def check_resume(cfg: Config, meta: dict) -> None:
+def check_resume(cfg: Config, meta: dict) -> dict | None:
     """Before any process group: refuse a resume path that is no checkpoint, and a checkpoint that does not match
-    the run. `auto` checks the checkpoint it would pick from manifests and sizes (digests come later, per rank),
+    the run; return the manifest of the checkpoint it would resume (None: the run starts fresh), whose global
+    batch the run's batch plan may keep (train/batch.py). `auto` checks the checkpoint it would pick from manifests and sizes (digests come later, per rank),
     and refuses a root whose checkpoints are all damaged. A fresh start (resume '') is refused where checkpoints
     already are: its own would mix with them, and `auto` and `keep_last` go by step number (a later `auto` would
     pick the old run's newest, pruning would delete the new run's first)."""
@@ -77,7 +78,7 @@ def check_resume(cfg: Config, meta: dict) -> None:
             raise ValueError(f"checkpoint.resume: got '' (start fresh), but {root} holds checkpoints "
                              f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}); "
                              f"allowed: auto (continue that run), or another checkpoint.dir or train.out_dir")
-        return
+        return None
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
@@ -100,5 +101,6 @@ def check_resume(cfg: Config, meta: dict) -> None:
                 raise ValueError(f"checkpoint.resume: auto, but no checkpoint under {root} is intact: "
                                  f"{'; '.join(damaged)}; allowed: repair or remove them, or another checkpoint.dir "
                                  f"to start a new run")
-            return         # nothing to resume: the run starts fresh
+            return None    # nothing to resume: the run starts fresh
     resume_changes(manifest, path, cfg, meta)
+    return manifest
