@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distsparse.checkpoint.manifest import CheckpointError, candidates, read_manifest
-from distsparse.config import Config, config_to_dict
+from distsparse.config import Config, config_to_dict, with_added_keys
 from distsparse.optim.rules import RULES
 from distsparse.utils import ABSENT, config_differences
 
@@ -40,7 +40,8 @@ def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[
     """The allowed differences between the saved run and `cfg` ("key saved -> run"); ValueError naming every
     difference that is not allowed, with both values."""
     refused, changed = [], []
-    for key, (old, new) in config_differences(manifest.get("config") or {}, config_to_dict(cfg)).items():
+    saved = with_added_keys(manifest.get("config") or {})   # a key added since reads as what that run did
+    for key, (old, new) in config_differences(saved, config_to_dict(cfg)).items():
         if key.startswith(NOT_COMPARED):
             continue
         if any(key == k or (k.endswith(".") and key.startswith(k)) for k in MUST_MATCH):
