@@ -4,6 +4,7 @@ resumed on 1 rank that keeps its global batch and continues its loss curve."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -144,12 +145,21 @@ BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_
         "train.steps=8", "checkpoint.interval=1", "checkpoint.keep_last=10"]
 
 
-def _two_ranks(rank, world_size, data_dir, out_dir, stop_after):
+def _two_ranks(rank, world_size, data_dir, out_dir, stop_after=None):
+    """8 steps, or preempted (a real SIGUSR1 to rank 0) during step `stop_after`: the schedule stays 8 steps."""
     from distsparse.train.ds_config import build_ds_config
     from distsparse.train.trainer import Trainer
-    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", f"train.steps={stop_after}"])
+    cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"])
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
     plan = trainer.plan
+    if stop_after is not None:
+        original = trainer.train_step
+
+        def step_then_signal(batches):
+            if trainer.step + 1 == stop_after and rank == 0:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return original(batches)
+        trainer.train_step = step_then_signal
     trainer.train()
     trainer.close()
     return plan
@@ -183,7 +193,7 @@ def _losses(out_dir) -> dict[int, float]:
 
 def test_a_two_rank_run_resumed_on_one_rank_keeps_the_global_batch_and_its_loss_curve(ranks2, data_dir, tmp_path):
     ref, part = str(tmp_path / "ref"), str(tmp_path / "part")
-    plans = ranks2.run(_two_ranks, data_dir, ref, 8)
+    plans = ranks2.run(_two_ranks, data_dir, ref)
     assert plans == [BatchPlan(4, 2, 1, 2)] * 2
     ranks2.run(_two_ranks, data_dir, part, 4)
     log = _one_rank(data_dir, part, ["checkpoint.resume=auto"])
