@@ -258,10 +258,10 @@ class Trainer:
         changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
         if changes:
             log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
-        if self._batch_plan(ckpt) != self.plan:
-            raise CheckpointError(f"checkpoint {ckpt.path} needs the batch plan {self._batch_plan(ckpt)}, this "
-                                  f"trainer was built with {self.plan}; allowed: a Trainer built with "
-                                  f"checkpoint.resume set to it")
+        needed = self._batch_plan(ckpt)
+        if needed != self.plan:
+            raise CheckpointError(f"checkpoint {ckpt.path} needs the batch plan {needed}, this trainer was built "
+                                  f"with {self.plan}; allowed: a Trainer built with checkpoint.resume set to it")
         batch_change = describe_resume(self.plan, saved_batch(m))
         if batch_change:
             log.info("resume from %s: %s", ckpt.path, batch_change)
