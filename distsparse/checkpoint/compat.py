@@ -68,9 +68,10 @@ def check_resume(cfg: Config, meta: dict) -> dict | None:
     """Before any process group: refuse a resume path that is no checkpoint, and a checkpoint that does not match
     the run; return the manifest of the checkpoint it would resume (None: the run starts fresh), whose global
     batch the run's batch plan may keep (train/batch.py). `auto` checks the checkpoint it would pick from
-    manifests and sizes (digests come later, per rank), and refuses a root whose checkpoints are all damaged. A fresh start (resume '') is refused where checkpoints
-    already are: its own would mix with them, and `auto` and `keep_last` go by step number (a later `auto` would
-    pick the old run's newest, pruning would delete the new run's first)."""
+    manifests and sizes (digests come later, per rank), and refuses a root whose checkpoints are all damaged. A
+    fresh start (resume '') is refused where checkpoints already are: its own would mix with them, and `auto` and
+    `keep_last` go by step number (a later `auto` would pick the old run's newest, pruning would delete the new
+    run's first)."""
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
     if not resume:
