@@ -335,7 +335,10 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 100                   # optimizer steps
     micro_batch: int = 8               # sequences per rank per micro-step
-    grad_accum: int = 1
+    # sequences per optimizer step, all ranks; accumulation = global / (micro_batch x world size), and a resume on
+    # another world size keeps it. 0: micro_batch x grad_accum x world size (distsparse/train/batch.py)
+    global_batch_size: int = 0
+    grad_accum: int = 1                # micro-steps per optimizer step; with global_batch_size set: 1 = derived
     lr: float = 3e-3                   # dense side (DeepSpeed AdamW) peak learning rate
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -356,6 +359,7 @@ class TrainConfig:
         _positive("train.lr", self.lr)
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.global_batch_size", self.global_batch_size, allow_zero=True)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio: got {self.min_lr_ratio}; allowed: [0, 1]")
         for key in ("beta1", "beta2"):   # AdamW's own check would fire inside DeepSpeed, after the process group
@@ -548,7 +552,8 @@ def config_to_dict(cfg: Any) -> dict:
 
 # Keys added to the config after runs were recorded (config.json), each with the value that does what those runs
 # did: a recorded run without the key reads as one with that value, so it is still the same config.
-ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None}   # issue 28: one dense group
+ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None,   # issue 28: one dense group
+              ("train", "global_batch_size"): 0}   # issue 26: the global batch from micro_batch x grad_accum x world
 
 
 def separate_branch_group(method: dict) -> bool:

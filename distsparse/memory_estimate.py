@@ -44,6 +44,7 @@ from distsparse.optim.engine import GATHER_CHUNK
 from distsparse.optim.grad_buckets import BUCKET_BYTES, align, bucket_layout, grad_bytes, resolve_grad_accum_mode
 from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import init_state
+from distsparse.train.batch import resolve_batch
 
 DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
 BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
@@ -214,12 +215,13 @@ def estimate_run(model: nn.Module, cfg: Config, ds_config: dict, world_size: int
     torch_adam = ds_config.get("optimizer", {}).get("params", {}).get("torch_adam", False)
     dense = dense_side_analytic(group_params, world_size, stage, dtype_bytes, ADAM_STEP_BYTES if torch_adam else 0)
     replicated = cfg.engine.mode == "replicated"
+    accum = resolve_batch(cfg.train, world_size).grad_accum   # train.global_batch_size's accumulation at this W
     mode = resolve_grad_accum_mode(cfg.engine.grad_accum_mode, replicated=replicated, world_size=world_size,
-                                   micro_batches=cfg.train.grad_accum)
+                                   micro_batches=accum)
     shapes = backbone_matrices(model)
     matrices = backbone_analytic(shapes, cfg.method, world_size, mode, values_bytes=dtype_bytes,
                                  num_buckets=cfg.engine.num_buckets, bucket_bytes=cfg.engine.bucket_bytes,
-                                 replicated=replicated, micro_batches=cfg.train.grad_accum,
+                                 replicated=replicated, micro_batches=accum,
                                  reduce_itemsize=2 if cfg.engine.reduce_dtype == "bf16" else 4)
     gather = value_gather_bytes(shapes, cfg.method, world_size, dtype_bytes, replicated)
     reduce_bucket = dtype_bytes * min(int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET)), sum(group_params))
@@ -234,7 +236,7 @@ def estimate_run(model: nn.Module, cfg: Config, ds_config: dict, world_size: int
                   shapes, m.num_hidden_layers, m.activation_checkpointing, dtype_bytes)}} for r in matrices]
     return {"world_size": world_size, "dtype": "bf16" if dtype_bytes == 2 else "fp32", "zero_stage": stage,
             "grad_accum_mode": mode, "engine_mode": cfg.engine.mode, "micro_batch": cfg.train.micro_batch,
-            "grad_accum": cfg.train.grad_accum, "seq_len": cfg.data.seq_len,
+            "grad_accum": accum, "seq_len": cfg.data.seq_len,
             "activation_checkpointing": m.activation_checkpointing, "ranks": ranks}
 
 

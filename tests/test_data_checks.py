@@ -70,7 +70,7 @@ def test_a_global_batch_larger_than_the_dataset_is_refused_naming_the_micro_batc
              world_size=2)   # 624 sequences: allowed
     cfg = load_config(None, SEQ + [f"data.dir={data_dir}", "train.micro_batch=157", "train.grad_accum=2"])
     with pytest.raises(ValueError, match=rf"train.micro_batch: got 157, a global batch of .* x "
-                                         rf"train.grad_accum \(2\) x 2 rank\(s\) = 628 sequences, more than "
+                                         rf"accumulation \(2\) x 2 rank\(s\) = 628 sequences, more than "
                                          rf"the {samples} training samples .* allowed: a global batch <= {samples}"):
         validate(cfg, world_size=2)
     validate(cfg, world_size=1)   # the same settings on one rank fit

@@ -140,7 +140,7 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, peak
                 return original(batches)
             trainer.train_step = step_then_signal
         result = trainer.train()
-        flops = bench.flops_per_step(trainer, SEQ, trainer.global_batch_size() * SEQ)
+        flops = bench.flops_per_step(trainer, SEQ, trainer.plan.global_batch * SEQ)
         trainer.close()
     finally:
         trainer_module.device_peak_flops = real_peak

@@ -255,4 +255,8 @@ def test_paper_configs_carry_the_c4_recipe_at_global_batch_512(path):
     assert (cfg.train.steps, cfg.train.warmup_steps) == RECIPE[cfg.model.preset]
     assert (cfg.data.seq_len, cfg.train.min_lr_ratio, cfg.model.vocab_size) == (256, 0.1, 32000)
     world = int(re.search(r"World size assumed: (\d+) GPUs", path.read_text()).group(1))
-    assert cfg.train.micro_batch * cfg.train.grad_accum * world == 512
+    from distsparse.train.batch import resolve_batch
+    assert cfg.train.global_batch_size == 512   # the truth; the accumulation follows from the world size
+    for ranks in (world, world // 2, world // 4):
+        plan = resolve_batch(cfg.train, ranks)
+        assert plan.global_batch == cfg.train.micro_batch * plan.grad_accum * ranks == 512, (ranks, plan)

@@ -47,6 +47,7 @@ ROWS = {DENSE: "dense AdamW", SPARSE: "CHTs 1:4 + TANS"}
 RATIO_KEY, SHARE_KEY = "est_h200_chts_1of4_tans_over_dense_adamw", "est_h200_tans_share"
 TARGETS = {RATIO_KEY: {"350m": {"8": 0.90, "1": 0.85}}, SHARE_KEY: {"8": 0.05}}
 REFRESH_LAYERS = (1, 2, 4)
+PAPER_GRAD_ACCUM = 2   # configs/experiments/paper_{350m,1b}_*: 512 = micro_batch x 2 x their documented ranks
 QUICK = {"model": "tiny", "overrides": ["train.micro_batch=2", "train.grad_accum=2", "data.seq_len=32",
                                         "model.vocab_size=512", "train.steps=1000"], "world_sizes": (1, 2)}
 
@@ -83,8 +84,11 @@ def run_config(model: str, method: str, quick: bool):
 
     if quick:
         return load_config(None, [f"model.preset={model}", f"method.preset={method}", *QUICK["overrides"]])
+    # The same per-rank batch on 1 and on 8 ranks (module docstring): the experiment's micro-batch and the
+    # accumulation its global batch has at its documented world size (2: 8 GPUs at 350m, 16 at 1b), pinned, where
+    # train.global_batch_size would derive 16-32 on one rank.
     return load_config(str(ROOT / f"configs/experiments/paper_{model}_chtsnm_1of4_row.yaml"),
-                       [f"method.preset={method}"])
+                       [f"method.preset={method}", "train.global_batch_size=0", f"train.grad_accum={PAPER_GRAD_ACCUM}"])
 
 
 def seconds(trace, world_size: int) -> dict[str, float]:

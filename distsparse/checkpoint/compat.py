@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distsparse.checkpoint.manifest import CheckpointError, candidates, read_manifest
-from distsparse.config import Config, config_to_dict
+from distsparse.config import Config, config_to_dict, with_added_keys
 from distsparse.optim.rules import RULES
 from distsparse.utils import ABSENT, config_differences
 
@@ -40,7 +40,8 @@ def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[
     """The allowed differences between the saved run and `cfg` ("key saved -> run"); ValueError naming every
     difference that is not allowed, with both values."""
     refused, changed = [], []
-    for key, (old, new) in config_differences(manifest.get("config") or {}, config_to_dict(cfg)).items():
+    saved = with_added_keys(manifest.get("config") or {})   # a key added since reads as what that run did
+    for key, (old, new) in config_differences(saved, config_to_dict(cfg)).items():
         if key.startswith(NOT_COMPARED):
             continue
         if any(key == k or (k.endswith(".") and key.startswith(k)) for k in MUST_MATCH):
@@ -63,12 +64,14 @@ def resume_changes(manifest: dict, path: Path, cfg: Config, meta: dict) -> list[
     return changed
 
 
-def check_resume(cfg: Config, meta: dict) -> None:
+def check_resume(cfg: Config, meta: dict) -> dict | None:
     """Before any process group: refuse a resume path that is no checkpoint, and a checkpoint that does not match
-    the run. `auto` checks the checkpoint it would pick from manifests and sizes (digests come later, per rank),
-    and refuses a root whose checkpoints are all damaged. A fresh start (resume '') is refused where checkpoints
-    already are: its own would mix with them, and `auto` and `keep_last` go by step number (a later `auto` would
-    pick the old run's newest, pruning would delete the new run's first)."""
+    the run; return the manifest of the checkpoint it would resume (None: the run starts fresh), whose global
+    batch the run's batch plan may keep (train/batch.py). `auto` checks the checkpoint it would pick from
+    manifests and sizes (digests come later, per rank), and refuses a root whose checkpoints are all damaged. A
+    fresh start (resume '') is refused where checkpoints already are: its own would mix with them, and `auto` and
+    `keep_last` go by step number (a later `auto` would pick the old run's newest, pruning would delete the new
+    run's first)."""
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
     if not resume:
@@ -77,7 +80,7 @@ def check_resume(cfg: Config, meta: dict) -> None:
             raise ValueError(f"checkpoint.resume: got '' (start fresh), but {root} holds checkpoints "
                              f"({', '.join(p.name for p in existing[:3])}{', ...' if len(existing) > 3 else ''}); "
                              f"allowed: auto (continue that run), or another checkpoint.dir or train.out_dir")
-        return
+        return None
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
@@ -100,5 +103,6 @@ def check_resume(cfg: Config, meta: dict) -> None:
                 raise ValueError(f"checkpoint.resume: auto, but no checkpoint under {root} is intact: "
                                  f"{'; '.join(damaged)}; allowed: repair or remove them, or another checkpoint.dir "
                                  f"to start a new run")
-            return         # nothing to resume: the run starts fresh
+            return None    # nothing to resume: the run starts fresh
     resume_changes(manifest, path, cfg, meta)
+    return manifest

@@ -43,6 +43,7 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.perf.trace import CollectiveRecord, OpRecord, OpTracer, simulated_world
+from distsparse.train.batch import resolve_batch
 
 WARM_STEPS = 16            # > every preset's TANS ramp_steps (8)
 NS_MODULES = ("distsparse.optim.group_rules", "distsparse.optim.rules_tans", "distsparse.optim.rules_muon")
@@ -113,8 +114,9 @@ def meta_model(cfg, vocab_size: int):
     return model.to(torch.bfloat16)
 
 
-def build_engine(cfg, backbone: dict, device: str | torch.device = "meta"):
-    """The run's matrix engine (trainer.build_matrix_engine's settings) over `backbone`, fp32 masters on `device`."""
+def build_engine(cfg, backbone: dict, device: str | torch.device = "meta", micro_batches: int | None = None):
+    """The run's matrix engine (trainer.build_matrix_engine's settings) over `backbone`, fp32 masters on `device`;
+    `micro_batches` per step (None: train.grad_accum)."""
     from distsparse.models import backbone_param
     from distsparse.optim.engine import MatrixEngine
 
@@ -123,7 +125,7 @@ def build_engine(cfg, backbone: dict, device: str | torch.device = "meta"):
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=cfg.method.rule_params, mode=e.mode,
                         reduce_dtype=e.reduce_dtype, group=None, reset_mode=cfg.method.reset_mode,
                         initial_values=initial, grad_accum_mode=e.grad_accum_mode,
-                        micro_batches=cfg.train.grad_accum, num_buckets=e.num_buckets,
+                        micro_batches=micro_batches or cfg.train.grad_accum, num_buckets=e.num_buckets,
                         bucket_bytes=e.bucket_bytes, device=device)
 
 
@@ -182,19 +184,19 @@ def rank_traces(cfg, vocab_size: int, world_size: int, rank: int, *, sparse: boo
     its engine's layout facts (owned sparse matrices, codes shard bytes); `sparse`: the run has a matrix engine."""
     log: list[CollectiveRecord] = []
     t = cfg.train
+    accum = resolve_batch(t, world_size).grad_accum   # train.global_batch_size's accumulation on this world size
     with simulated_world(world_size, rank, log), gpu_like():
         model = meta_model(cfg, vocab_size)
         engine = None
         if sparse:
             from distsparse.models import backbone_modules, backbone_param
             backbone = backbone_modules(model)
-            engine = build_engine(cfg, backbone)
+            engine = build_engine(cfg, backbone, micro_batches=accum)
             excluded = {id(backbone_param(m)) for m in backbone.values()}
             dense = [p.numel() for p in model.parameters() if id(p) not in excluded]
         else:
             dense = [p.numel() for p in model.parameters()]
-        out = {"forward_backward": forward_backward(model, engine, t.micro_batch, cfg.data.seq_len, t.grad_accum,
-                                                    log)}
+        out = {"forward_backward": forward_backward(model, engine, t.micro_batch, cfg.data.seq_len, accum, log)}
         if engine is not None:
             out["backbone_step"] = backbone_step(engine, cfg.method.lr, t.grad_clip, log)
             with traced(log) as out["joint_scalars"]:
@@ -202,7 +204,7 @@ def rank_traces(cfg, vocab_size: int, world_size: int, rank: int, *, sparse: boo
             out["owned_sparse"] = sum(1 for m in engine.owned() if m.sparse)
             out["matrices"] = len(engine.matrices)
             out["codes_gather"] = CollectiveRecord("all_gather", world_size * engine.codes_shard_size)
-        out["dense_step"] = zero2_dense_step(dense, world_size, t.grad_accum, log)
+        out["dense_step"] = zero2_dense_step(dense, world_size, accum, log)
     return out
 
 

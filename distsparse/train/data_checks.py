@@ -4,7 +4,7 @@ Owns three refusals and one warning that would otherwise surface as tracebacks a
 - a model vocabulary at or below the largest token id in the shards (an IndexError in the embedding mid-run) is
   refused; one above the largest id + 1 is warned about (embedding rows that never see a token: normal for a
   tokenizer's reserved ids, a mistake for a vocabulary typed by hand);
-- a global batch (train.micro_batch * train.grad_accum * world size) larger than the training samples;
+- a global batch (the run's BatchPlan, train/batch.py) larger than the training samples;
 - a negative train.seed (numpy's SeedSequence, which orders the data, refuses it).
 Written against today's config fields; validate.py calls it with the world size the launcher gives.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from distsparse.data.shards import TokenStream, split_files
+from distsparse.train.batch import BatchPlan
 
 log = logging.getLogger(__name__)
 _SCAN_TOKENS = 1 << 24
@@ -38,7 +39,7 @@ def largest_token_id(data_dir: str | Path, meta: dict) -> int:
     return largest
 
 
-def check_data(cfg, meta: dict, *, world_size: int, num_train_samples: int) -> None:
+def check_data(cfg, meta: dict, *, plan: BatchPlan, num_train_samples: int) -> None:
     """ValueError naming the key, the value and what is allowed; a warning for a vocabulary above the data's."""
     t = cfg.train
     if t.seed < 0:
@@ -57,9 +58,9 @@ def check_data(cfg, meta: dict, *, world_size: int, num_train_samples: int) -> N
         log.warning("model vocabulary %d is above the data's largest token id %d + 1: %d embedding rows never see a "
                     "token (expected for a tokenizer's unused or reserved ids; meta.json vocab_size %d)", vocab,
                     largest, vocab - largest - 1, meta["vocab_size"])
-    global_batch = t.micro_batch * t.grad_accum * world_size
-    if global_batch > num_train_samples:
-        raise ValueError(f"train.micro_batch: got {t.micro_batch}, a global batch of train.micro_batch x "
-                         f"train.grad_accum ({t.grad_accum}) x {world_size} rank(s) = {global_batch} sequences, "
-                         f"more than the {num_train_samples} training samples of {cfg.data.dir} at data.seq_len "
-                         f"{cfg.data.seq_len}; allowed: a global batch <= {num_train_samples}")
+    if plan.global_batch > num_train_samples:
+        what = (f"train.global_batch_size: got {t.global_batch_size}" if t.global_batch_size else
+                f"train.micro_batch: got {t.micro_batch}, a global batch of train.micro_batch x accumulation "
+                f"({plan.grad_accum}) x {plan.world_size} rank(s) = {plan.global_batch}")
+        raise ValueError(f"{what} sequences, more than the {num_train_samples} training samples of {cfg.data.dir} "
+                         f"at data.seq_len {cfg.data.seq_len}; allowed: a global batch <= {num_train_samples}")

@@ -96,10 +96,18 @@ def complete_ds_config(source: dict, cfg: Config, cuda_available: bool | None = 
     if "fp16" in ds and ds["fp16"].get("enabled"):
         raise ValueError("--ds_config fp16.enabled: got true; allowed: false (use train.dtype=bf16)")
     _set(ds, "train_micro_batch_size_per_gpu", cfg.train.micro_batch, source)
-    _set(ds, "gradient_accumulation_steps", cfg.train.grad_accum, source)
+    if cfg.train.global_batch_size:   # accumulation follows from the world size: the trainer sets it (batch.py)
+        for key in ("gradient_accumulation_steps", "train_batch_size"):
+            if source.get(key) not in (None, "auto"):
+                raise ValueError(f"--ds_config {key}: got {source[key]!r} with train.global_batch_size "
+                                 f"{cfg.train.global_batch_size}; the trainer derives it from the global batch and "
+                                 f"the world size; allowed: remove it from the DeepSpeed file, or \"auto\"")
+            ds.pop(key, None)
+    else:
+        _set(ds, "gradient_accumulation_steps", cfg.train.grad_accum, source)
     _set(ds, "gradient_clipping", cfg.train.grad_clip, source)
     _set(ds, "bf16.enabled", dtype == "bf16", source)
-    ds.pop("train_batch_size", None)
+    ds.pop("train_batch_size", None)   # the trainer sets it from its batch plan
     opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     if opt.get("type", "AdamW").lower() not in ("adamw", "adam"):
         raise ValueError(f"--ds_config optimizer.type: got {opt.get('type')!r}; allowed: AdamW, Adam "

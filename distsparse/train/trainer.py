@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from distsparse import dist as ddist
-from distsparse.checkpoint import CheckpointManager, resume_changes
+from distsparse.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, resume_changes
 from distsparse.config import Config, config_to_dict, separate_branch_group
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
@@ -31,6 +31,7 @@ from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
 from distsparse.perf.flops import device_peak_flops, model_step_flops
 from distsparse.step_timer import StepTimer
+from distsparse.train.batch import BatchPlan, describe_resume, resolve_batch, saved_batch
 from distsparse.train.dense_state import gather_dense_state, restore_dense_state
 from distsparse.train.ds_config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
@@ -85,12 +86,15 @@ def dense_side_parameters(model: torch.nn.Module, backbone: dict[str, torch.nn.M
 
 
 def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group, *,
-                        initial: dict[str, torch.Tensor], device: torch.device) -> MatrixEngine:
-    """The backbone's engine on `device` (where DeepSpeed put the model), its fp32 masters from `initial`."""
+                        initial: dict[str, torch.Tensor], device: torch.device,
+                        micro_batches: int | None = None) -> MatrixEngine:
+    """The backbone's engine on `device` (where DeepSpeed put the model), its fp32 masters from `initial`.
+    `micro_batches`: per optimizer step, the run's BatchPlan.grad_accum (None: train.grad_accum, for tools that
+    build an engine without a run)."""
     return MatrixEngine(backbone, rule=cfg.method.rule, hparams=cfg.method.rule_params, mode=cfg.engine.mode,
                         reduce_dtype=cfg.engine.reduce_dtype, group=group, reset_mode=cfg.method.reset_mode,
                         initial_values=initial, grad_accum_mode=cfg.engine.grad_accum_mode,
-                        micro_batches=cfg.train.grad_accum, num_buckets=cfg.engine.num_buckets,
+                        micro_batches=micro_batches or cfg.train.grad_accum, num_buckets=cfg.engine.num_buckets,
                         bucket_bytes=cfg.engine.bucket_bytes, device=device,
                         force_collectives=cfg.engine.force_collectives, compile=cfg.optim.compile)
 
@@ -119,13 +123,21 @@ class Trainer:
         # Masters come from the fp32 model before DeepSpeed casts it (research/distributed_ns.md s4.6); the engine
         # is built after DeepSpeed has moved the model, on the same device (DESIGN decision 17).
         initial = {name: backbone_param(m).detach().float().clone() for name, m in self.backbone.items()}
+        self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
+                                             cfg.checkpoint.keep_last)
+        # The checkpoint comes first: its global batch can decide the accumulation DeepSpeed is built with.
+        ckpt = self.checkpoints.find(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
+        self.plan: BatchPlan = self._batch_plan(ckpt)
+        ds_config = {**ds_config, "gradient_accumulation_steps": self.plan.grad_accum,
+                     "train_batch_size": self.plan.global_batch}
         self.engine, _, _, _ = deepspeed.initialize(
             args=deepspeed_device_args(), model=self.model,
             model_parameters=dense_side_parameters(self.model, self.backbone, branch_lr=cfg.method.branch_lr,
                                                    branch_weight_decay=cfg.method.branch_weight_decay),
             config=ds_config, lr_scheduler=self._dense_scheduler)
         self.device = self.engine.device
-        self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group(), initial=initial, device=self.device)
+        self.matrix = build_matrix_engine(cfg, self.backbone, ddist.new_group(), initial=initial, device=self.device,
+                                          micro_batches=self.plan.grad_accum)
         del initial
         if self.matrix.shadows:
             shadow_gb = sum(t.untyped_storage().nbytes() for s in self.matrix.shadows.values() for t in s.values())
@@ -134,24 +146,26 @@ class Trainer:
         self.dtype = resolve_dtype(cfg)
         self.train_data = TokenDataset(cfg.data.dir, "train", cfg.data.seq_len)
         self.val_data = TokenDataset(cfg.data.dir, "val", cfg.data.seq_len)
-        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, cfg.train.grad_accum,
+        self.sampler = GlobalBatchSampler(len(self.train_data), cfg.train.micro_batch, self.plan.grad_accum,
                                           self.world_size, self.rank, cfg.train.seed)
         self.inputs = StepInputs(self.train_data, self.sampler, self.device)
         self.timer = StepTimer(self.device)
         self.topology = TopologyPolicy(cfg.method.topology, cfg.train.steps, cfg.train.seed)
-        self.hooks = build_method_hooks(self.model, self.backbone, cfg.method, micro_batches=cfg.train.grad_accum,
+        self.hooks = build_method_hooks(self.model, self.backbone, cfg.method, micro_batches=self.plan.grad_accum,
                                         total_steps=cfg.train.steps)
         self.joint = JointOptimizer(self.engine, self.matrix, grad_clip=cfg.train.grad_clip, hooks=self.hooks,
                                     topology=self.topology, backbone_lr=lambda s: cfg.method.lr * self.lr_scale(s),
                                     timer=self.timer)
         self.step = 0
         self.report: StepReport | None = None
-        self.checkpoints = CheckpointManager(cfg.checkpoint.dir or Path(cfg.train.out_dir) / "checkpoints",
-                                             cfg.checkpoint.keep_last)
         self.preemption = PreemptionFlag().install()
         if cfg.checkpoint.resume:
-            self.resume(cfg.checkpoint.resume)
+            self.resume(ckpt, cfg.checkpoint.resume)
         self.writer = build_writer(cfg, self.rank, resumed=self.step > 0)
+
+    def _batch_plan(self, ckpt: LoadedCheckpoint | None) -> BatchPlan:
+        """This run's batch plan on this world size, keeping `ckpt`'s global batch where train/batch.py says."""
+        return resolve_batch(self.cfg.train, self.world_size, saved_batch(ckpt.manifest) if ckpt else None)
 
     def _dense_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_scale(s))
@@ -227,15 +241,19 @@ class Trainer:
                     "config": config_to_dict(self.cfg), "tokenizer_sha256": self.meta.get("tokenizer_sha256", ""),
                     "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
                     "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype,
-                    "vocab_size": self.model.config.vocab_size}
+                    "vocab_size": self.model.config.vocab_size,
+                    "global_batch_size": self.plan.global_batch, "grad_accum": self.plan.grad_accum}
         path = self.checkpoints.save(self.step, ds_engine=self.engine, matrix_engine=self.matrix, manifest=manifest,
                                      dense_state=gather_dense_state(self.engine, self.model, self.rank),
                                      registry=self.hooks.saved_state())
         log.info("saved checkpoint %s", path)
         return path
 
-    def resume(self, which: str) -> None:
-        ckpt = self.checkpoints.find(which)
+    def resume(self, ckpt: LoadedCheckpoint | str | None, which: str = "") -> None:
+        """Load `ckpt` (found by the caller, or a `checkpoint.resume` value to find; None: none found for
+        `which`). Its batch plan must be the one this trainer was built with (DeepSpeed's accumulation is fixed)."""
+        if isinstance(ckpt, str):
+            ckpt, which = self.checkpoints.find(ckpt), ckpt
         if ckpt is None:
             log.info("resume %s: no checkpoint under %s, starting fresh", which, self.checkpoints.root)
             return
@@ -243,6 +261,13 @@ class Trainer:
         changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
         if changes:
             log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
+        needed = self._batch_plan(ckpt)
+        if needed != self.plan:
+            raise CheckpointError(f"checkpoint {ckpt.path} needs the batch plan {needed}, this trainer was built "
+                                  f"with {self.plan}; allowed: a Trainer built with checkpoint.resume set to it")
+        batch_change = describe_resume(self.plan, saved_batch(m))
+        if batch_change:
+            log.info("resume from %s: %s", ckpt.path, batch_change)
         same_partitions = m["world_size"] == self.world_size and \
             separate_branch_group(m["config"]["method"]) == self.cfg.method.separate_branch_group
         if same_partitions:
@@ -264,10 +289,6 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
-    def global_batch_size(self) -> int:
-        """Sequences per optimizer step over all ranks: micro-batch x accumulation x ranks."""
-        return self.cfg.train.micro_batch * self.cfg.train.grad_accum * self.world_size
-
     def train(self) -> TrainResult:
         cfg = self.cfg
         out_dir = Path(cfg.train.out_dir)
@@ -276,7 +297,7 @@ class Trainer:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             log.info("parameters: %s", counts)
-        tokens_per_step = self.global_batch_size() * cfg.data.seq_len
+        tokens_per_step = self.plan.global_batch * cfg.data.seq_len
         flops = model_step_flops(self.model, cfg.data.seq_len, tokens_per_step)
         peak_flops, peak_note = device_peak_flops(self.device)
         if self.rank == 0:

@@ -8,12 +8,14 @@ from distsparse.checkpoint import check_resume
 from distsparse.config import Config, check_backbone_shapes
 from distsparse.data import TokenDataset, load_meta
 from distsparse.data.dataset import SPLITS
+from distsparse.train.batch import resolve_batch, saved_batch
 from distsparse.train.data_checks import check_data
 
 
 def validate(cfg: Config, world_size: int = 1) -> dict:
     """Raise ValueError naming key, value and what is allowed; return the data's meta.json. `world_size`: the
-    ranks the run will have (the global batch is checked against the data)."""
+    ranks the run will have (the batch plan is resolved for it, with the checkpoint it resumes, and its global
+    batch checked against the data)."""
     meta = load_meta(cfg.data.dir, key="data.dir")
     if cfg.model.vocab_size and meta["vocab_size"] > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got {cfg.model.vocab_size}; the data in {cfg.data.dir} has vocab "
@@ -28,8 +30,9 @@ def validate(cfg: Config, world_size: int = 1) -> dict:
     if cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"logging.wandb.mode: got {cfg.logging.wandb.mode!r}, but wandb is not installed; allowed: "
                          f"disabled, or install it (pip install wandb, the project's `wandb` extra)")
-    check_resume(cfg, meta)
+    manifest = check_resume(cfg, meta)
+    plan = resolve_batch(cfg.train, world_size, saved_batch(manifest) if manifest else None)
     # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
     datasets = {split: TokenDataset(cfg.data.dir, split, cfg.data.seq_len) for split in SPLITS}
-    check_data(cfg, meta, world_size=world_size, num_train_samples=len(datasets["train"]))
+    check_data(cfg, meta, plan=plan, num_train_samples=len(datasets["train"]))
     return meta
