@@ -552,6 +552,8 @@ def config_to_dict(cfg: Any) -> dict:
 
 # Keys added to the config after runs were recorded (config.json), each with the value that does what those runs
 # did: a recorded run without the key reads as one with that value, so it is still the same config.
+# Sections that change no number a run computes: left out when finished runs are compared by config.
+RESULT_NEUTRAL_SECTIONS = ("checkpoint", "logging")
 ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None,   # issue 28: one dense group
               ("train", "global_batch_size"): 0}   # issue 26: the global batch from micro_batch x grad_accum x world
 

@@ -496,3 +496,20 @@ def test_keep_checkpoint_keeps_the_final_checkpoint_and_a_run_is_read_back_with_
     assert "finished earlier" in capsys.readouterr().out
     assert json.loads((tmp_path / "b.json").read_text())["methods"]["chts24_1of4_row"]["final_ppl"] == \
         json.loads((tmp_path / "a.json").read_text())["methods"]["chts24_1of4_row"]["final_ppl"]
+
+
+def test_a_run_recorded_before_the_logging_section_existed_is_read_back(bench, fake_data, tmp_path):
+    """Checkpoint and logging settings change no number: a config.json without `logging` (before W&B) or with
+    other checkpoint settings is the same run; a change in a section that does change numbers is not."""
+    args = bench.parse_args(["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40",
+                             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
+    spec = bench.full_spec(args, "chts24_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, args, spec)
+    config = json.loads((spec.out_dir / "config.json").read_text())
+    del config["logging"]
+    config["checkpoint"]["interval"] = 7
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    assert bench.finished_earlier(args, spec)
+    config["data"]["seq_len"] += 1
+    (spec.out_dir / "config.json").write_text(json.dumps(config))
+    assert not bench.finished_earlier(args, spec)

@@ -39,7 +39,7 @@ rate is swept independently of the dense side's, as the other two are of each ot
 every method without the flag, keep the preset's method.branch_lr (null: the branch on train.lr, the paper's coupling).
 
 A run whose directory already holds result.json and a config.json equal to the run's resolved config (all but
-`train.out_dir` and the checkpoint settings) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
+`train.out_dir` and the checkpoint and logging settings) is read back, not rerun (unless --force): an interrupted full-length sweep resumes at its first
 missing point. A finished run there under another config is refused, naming the keys that differ (--force
 replaces it): retraining would delete it. The refusal comes before anything trains, except for the full run
 after a short sweep, whose rates are known only when its sweep is done. The DeepSpeed JSON is not part of that
@@ -271,12 +271,13 @@ def _free_port() -> int:
 
 
 def _resolved_config(args: argparse.Namespace, run: RunSpec) -> dict:
-    """The config run.out_dir's config.json will hold after this run, without train.out_dir and the checkpoint
-    settings (neither changes what the run computes)."""
-    from distsparse.config import config_to_dict, load_config
+    """The config run.out_dir's config.json will hold after this run, without train.out_dir and the sections that
+    change no number (checkpointing, logging)."""
+    from distsparse.config import RESULT_NEUTRAL_SECTIONS, config_to_dict, load_config
     config = json.loads(json.dumps(config_to_dict(load_config(None, run_overrides(args, run)))))
     config["train"].pop("out_dir")
-    config.pop("checkpoint")
+    for section in RESULT_NEUTRAL_SECTIONS:
+        config.pop(section)
     return config
 
 
@@ -284,10 +285,11 @@ def _earlier_config(run: RunSpec) -> dict | None:
     """The config of the run that finished in run.out_dir (without train.out_dir); None when none did."""
     if not (run.out_dir / "result.json").is_file() or not (run.out_dir / "config.json").is_file():
         return None
-    from distsparse.config import with_added_keys
+    from distsparse.config import RESULT_NEUTRAL_SECTIONS, with_added_keys
     found = with_added_keys(json.loads((run.out_dir / "config.json").read_text()))   # runs of an older checkout
     found.get("train", {}).pop("out_dir", None)
-    found.pop("checkpoint", None)
+    for section in RESULT_NEUTRAL_SECTIONS:
+        found.pop(section, None)
     return found
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import add_json_arg, machine_info, print_table, write_json
-from distsparse.config import with_added_keys
+from distsparse.config import RESULT_NEUTRAL_SECTIONS, with_added_keys
 from distsparse.utils import config_differences
 
 SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def protocol(config: dict[str, Any]) -> dict[str, Any]:
     """What every run of one comparison shares: the config less what the comparison varies."""
-    shared = {k: v for k, v in config.items() if k not in ("method", "checkpoint")}   # checkpoints change no number
+    shared = {k: v for k, v in config.items() if k != "method" and k not in RESULT_NEUTRAL_SECTIONS}
     shared["train"] = {k: v for k, v in config["train"].items() if k not in ("lr", "seed", "out_dir")}
     return shared
 
