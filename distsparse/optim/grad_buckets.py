@@ -224,7 +224,8 @@ class FullBuffer:
 
     def add(self, name: str, grad: torch.Tensor) -> None:
         i, start, n = self._slot[name]
-        self.buffers[i][start:start + n].add_(grad.reshape(-1).float())   # fp32 accumulation across micro-batches
+        # fp32 accumulation across micro-batches; add_ upcasts a bf16 gradient inside its kernel (no cast launch)
+        self.buffers[i][start:start + n].add_(grad.reshape(-1))
         self._arrived[i] += 1
         if self._armed and self._arrived[i] == len(self.layout[i].names):
             self._launch(i)   # overlap: reduce this bucket while backward continues
@@ -322,7 +323,7 @@ class ShardedAccumulator:
         if self._staging[i] is None:
             self._staging[i] = self.transient.alloc(
                 torch.zeros(self.layout[i].numel, dtype=torch.float32, device=self.comm.device))
-        self._staging[i][start:start + n].add_(grad.reshape(-1).float())
+        self._staging[i][start:start + n].add_(grad.reshape(-1))   # upcast inside add_, as above
         self._arrived[i] += 1
         if self._arrived[i] == len(self.layout[i].names):
             self._launch(i)   # every micro-batch: reduce this bucket while backward continues
