@@ -46,13 +46,12 @@ def _float64_ratios(model, batches) -> dict[str, float]:
     for name, xs in inputs.items():
         module = copy.deepcopy(model.get_submodule(name)).double()
         added = backbone = 0.0
-        for x in xs:
-            torch.set_grad_enabled(False)
-            x = x.double()
-            y_s = module.core(module.permutation(x) if module.permutation is not None else x)
-            added += float((module.branch(x, y_s) - y_s).square().sum())
-            backbone += float(y_s.square().sum())
-        torch.set_grad_enabled(True)
+        with torch.no_grad():
+            for x in xs:
+                x = x.double()
+                y_s = module.core(module.permutation(x) if module.permutation is not None else x)
+                added += float((module.branch(x, y_s) - y_s).square().sum())
+                backbone += float(y_s.square().sum())
         out[name] = math.sqrt(added / backbone)
     return out
 
@@ -158,3 +157,96 @@ def test_a_run_writes_the_mechanism_statistics_to_tensorboard(ranks2, data_dir, 
         assert tag in tags, tag
         ever = {e.step: e.value for e in ea.Scalars(tag)}
         assert set(ever) == {2, 4, 6} and all(0.0 < v < 1.0 for v in ever.values()), (tag, ever)
+
+
+# ---- links_ever_changed ------------------------------------------------------------------------------------------
+
+def _random_refresh(step: int):
+    """test_group_rules' random legal refresh (many links leave, and some come back to their step-0 positions), with
+    the schedule values refresh_metrics reads."""
+    from test_group_rules import random_refresh
+    inner = random_refresh(step)
+
+    def refresh(name, master, meta):
+        out = inner(name, master, meta)
+        out.stats.update({"zeta": 0.1, "temperature": 1.0, "groups_selected": 1.0})
+        return out
+    return refresh
+
+
+def _brute_force_shares(backbone, origin: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per projection type: kept positions now that the step-0 masks did not keep, over kept positions now, from
+    dense bool masks of every matrix."""
+    from distsparse.nm import decode
+    off, kept = {}, {}
+    for name, module in backbone.items():
+        proj, now = name.rsplit(".", 1)[-1], decode(module.meta)
+        off[proj] = off.get(proj, 0) + int((now & ~origin[name]).sum())
+        kept[proj] = kept.get(proj, 0) + int(now.sum())
+    return {proj: off[proj] / kept[proj] for proj in kept}
+
+
+def _refresh_step(engine, backbone, rank: int, step: int) -> dict[str, float]:
+    from distsparse.train.topology_policy import refresh_metrics
+    from test_group_rules import grads_of
+    engine.start_boundary()
+    for name, g in grads_of(backbone, rank, step).items():
+        engine.grads.add(name, g)
+    engine.reduce_gradients()
+    stats = engine.step(1e-2, refresh=_random_refresh(step))
+    return {proj: v for proj in PROJECTIONS
+            if (v := refresh_metrics(stats, 0.0).get(f"topology/{proj}/links_ever_changed")) is not None}
+
+
+def _two_refreshes(rank, world_size):
+    """Two refreshes from step 0; returns the logged and brute-force shares after each, every rank's saved matrix
+    state merged, and the bytes of the step-0 codes this rank keeps against its owned matrices' codes."""
+    from distsparse import dist as ddist
+    from distsparse.nm import decode
+    from distsparse.optim.engine import MatrixEngine
+    from test_group_rules import tiny_backbone
+    cfg, backbone = tiny_backbone("chtsnm_nobranch_1of4_row")
+    origin = {n: decode(m.meta) for n, m in backbone.items()}
+    engine = MatrixEngine(backbone, rule="tans", hparams=cfg.method.rule_params)
+    shares = [(_refresh_step(engine, backbone, rank, step), _brute_force_shares(backbone, origin)) for step in (1, 2)]
+    merged = {n: e for part in ddist.gather_objects(engine.state_dict()) for n, e in part.items()}
+    owned_codes = sum(m.module.codes.numel() for m in engine.owned())
+    return shares, merged, engine.origin_code_bytes(), owned_codes
+
+
+def _resume_and_refresh(states, rank: int = 0):
+    """A fresh model and engine (step-0 codes of the same seed) loaded from `states`, then a third refresh."""
+    from distsparse.nm import decode
+    from distsparse.optim.engine import MatrixEngine
+    from test_group_rules import tiny_backbone
+    cfg, backbone = tiny_backbone("chtsnm_nobranch_1of4_row")
+    origin = {n: decode(m.meta) for n, m in backbone.items()}
+    engine = MatrixEngine(backbone, rule="tans", hparams=cfg.method.rule_params)
+    engine.load_state_dict(states)
+    assert any(not torch.equal(engine.origin_codes[n], backbone[n].codes) for n in backbone), "the resume moved on"
+    return _refresh_step(engine, backbone, rank, 3), _brute_force_shares(backbone, origin)
+
+
+def _check_shares(shares):
+    for logged, brute in shares:
+        assert set(logged) == set(PROJECTIONS)
+        for proj in PROJECTIONS:
+            assert logged[proj] == pytest.approx(brute[proj], rel=1e-12)
+            assert 0.05 < logged[proj] < 1.0, (proj, logged[proj])
+
+
+def test_links_ever_changed_equals_a_brute_force_count_across_two_refreshes_and_a_resume_on_one_rank():
+    shares, states, origin_bytes, owned_codes = _two_refreshes(0, 1)
+    _check_shares(shares)
+    assert origin_bytes == owned_codes   # one uint8 per code byte: 2 bits per kept value at 1:4 row-wise
+    assert all(states[n]["origin_codes"].dtype == torch.uint8 for n in states)
+    _check_shares([_resume_and_refresh(states)])
+
+
+def test_links_ever_changed_on_two_ranks_and_after_an_elastic_resume_on_one(ranks2):
+    (s0, states0, bytes0, owned0), (s1, states1, bytes1, owned1) = ranks2.run(_two_refreshes)
+    assert s0 == s1
+    _check_shares(s0)
+    assert bytes0 == owned0 and bytes1 == owned1 and min(bytes0, bytes1) > 0, "each rank keeps its own matrices'"
+    assert states0.keys() == states1.keys()
+    _check_shares([_resume_and_refresh(states0)])
