@@ -416,7 +416,7 @@ class MatrixEngine:
             master = entry.pop("master")
             codes = entry.pop("codes", None)
             origin = entry.pop("origin_codes", codes)   # a checkpoint from before it: counted from its topology
-            if name in self.origin_codes:
+            if name in self.origin_codes and origin is not None:
                 self.origin_codes[name] = origin.to(self.origin_codes[name].device).clone()
             if codes is not None:
                 self.matrices[name].module.set_codes(codes.to(self.matrices[name].module.codes.device))
