@@ -248,5 +248,11 @@ def test_links_ever_changed_on_two_ranks_and_after_an_elastic_resume_on_one(rank
     assert s0 == s1
     _check_shares(s0)
     assert bytes0 == owned0 and bytes1 == owned1 and min(bytes0, bytes1) > 0, "each rank keeps its own matrices'"
+    # The dry-run's arithmetic (memory_estimate) counts the same bytes per rank from the shapes and owner map alone.
+    from distsparse.memory_estimate import backbone_analytic, backbone_matrices
+    cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row", "model.num_hidden_layers=2"])
+    planned = backbone_analytic(backbone_matrices(build_model(cfg.model, cfg.method, 97, seed=3)), cfg.method, 2,
+                                "sharded")
+    assert [r["origin_codes"] for r in planned] == [bytes0, bytes1]
     assert states0.keys() == states1.keys()
     _check_shares([_resume_and_refresh(states0)])

@@ -435,10 +435,9 @@ class MatrixEngine:
     def state_bytes(self) -> int:
         """Bytes of backbone optimizer state on this rank: masters, rule state (counters at their saved 8 B), reset
         mode none's shadows and the persistent gradient bytes (grad_bytes()). The groups' derived caches are
-        `cache_bytes()`."""
+        `cache_bytes()`, the step-0 codes `origin_code_bytes()`."""
         shadows = sum(t.untyped_storage().nbytes() for s in self.shadows.values() for t in s.values())
-        return sum(g.state_bytes() for g in self.groups) + shadows + self.grad_bytes()["persistent"] + \
-            self.origin_code_bytes()
+        return sum(g.state_bytes() for g in self.groups) + shadows + self.grad_bytes()["persistent"]
 
     def origin_code_bytes(self) -> int:
         """Bytes of the step-0 codes this rank keeps (topology/origin.py; memory_estimate's `origin_codes`)."""
