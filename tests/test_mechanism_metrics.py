@@ -19,8 +19,8 @@ from synthetic_data import make_data_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tiny_model(method: str) -> torch.nn.Module:
-    cfg = load_config(None, ["model.preset=tiny", f"method.preset={method}", "model.num_hidden_layers=2"])
+def _tiny_model(method: str, *overrides: str) -> torch.nn.Module:
+    cfg = load_config(None, ["model.preset=tiny", f"method.preset={method}", "model.num_hidden_layers=2", *overrides])
     model = build_model(cfg.model, cfg.method, 97, seed=3)
     torch.manual_seed(11)
     with torch.no_grad():   # B = 0 and a zero controller at init: give every branch an output and a live gate
@@ -78,6 +78,25 @@ def test_branch_output_rms_ratio_equals_a_float64_computation_of_the_same_branch
         assert metrics[f"{prefix}_min"] == pytest.approx(min(values), rel=1e-4)
         assert metrics[f"{prefix}_max"] == pytest.approx(max(values), rel=1e-4)
     assert len(metrics) == 3 * len(PROJECTIONS)
+
+
+def test_the_ratio_through_a_backward_under_activation_checkpointing_is_the_forwards():
+    """The recomputed forward adds the same sums again to both sides of every ratio: it leaves the ratio unchanged."""
+    model = _tiny_model("chtsnm_1of4_row", "model.activation_checkpointing=true").train()
+    batches = [torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(6))]
+    want = _float64_ratios(model, batches)
+    probe = BranchProbe(model)
+    probe.start()
+    calls = []
+    handle = model.get_submodule(next(iter(want))).register_forward_hook(lambda *_: calls.append(1))
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    metrics = probe.read()
+    assert len(calls) == 2, "the forward ran again in the backward"
+    for proj in PROJECTIONS:
+        values = [r for name, r in want.items() if name.endswith(proj)]
+        assert metrics[f"branch/{proj}/output_rms_ratio_mean"] == pytest.approx(sum(values) / len(values), rel=1e-4)
 
 
 def test_no_branch_no_branch_statistics():
