@@ -11,6 +11,7 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.layers.projection import SparseProjection
+from distsparse.memory_estimate import backbone_analytic, backbone_matrices
 from distsparse.models import PROJECTIONS, build_model
 from distsparse.train.branch_metrics import BranchProbe
 from distsparse.train.ds_config import build_ds_config
@@ -156,7 +157,8 @@ def test_clipped_share_is_one_when_every_step_clips_and_zero_when_none_does(rank
 
 def test_a_run_writes_the_mechanism_statistics_to_tensorboard(ranks2, data_dir, tmp_path):
     """A mixed clip threshold (between the run's step norms): the logged shares equal those of the per-step
-    coefficients; the branch ratios on logging steps only; links_ever_changed on refresh steps (2 and 4: t_end ends them before 6)."""
+    coefficients; the branch ratios on logging steps only; links_ever_changed on refresh steps (2 and 4: t_end ends
+    them before 6)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     (coefs, logged), (coefs1, _) = ranks2.run(_train, data_dir, str(tmp_path / "run"), 2.4)
     assert coefs == coefs1
@@ -268,8 +270,8 @@ def test_links_ever_changed_on_two_ranks_and_after_an_elastic_resume_on_one(rank
     _check_shares(s0)
     assert bytes0 == owned0 and bytes1 == owned1 and min(bytes0, bytes1) > 0, "each rank keeps its own matrices'"
     # The dry-run's arithmetic (memory_estimate) counts the same bytes per rank from the shapes and owner map alone.
-    from distsparse.memory_estimate import backbone_analytic, backbone_matrices
-    cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row", "model.num_hidden_layers=2"])
+    cfg = load_config(None, ["model.preset=tiny", "method.preset=chtsnm_nobranch_1of4_row",
+                             "model.num_hidden_layers=2"])
     planned = backbone_analytic(backbone_matrices(build_model(cfg.model, cfg.method, 97, seed=3)), cfg.method, 2,
                                 "sharded")
     assert [r["origin_codes"] for r in planned] == [bytes0, bytes1]
