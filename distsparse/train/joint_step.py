@@ -22,9 +22,10 @@ The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in 
 engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
 The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
 (topology_policy.refresh_metrics), logging steps the update rule's statistics (rule_metrics.py: one host read, one
-collective; TANS's `tans/{projection}/...`). A timed step (the trainer's logging steps) marks the phase boundaries on
-`timer` (distsparse/step_timer.py: reduce = phases 1-2, dense_step, then the engine's backbone_step, refresh, gather);
-an untimed one pays nothing for it.
+collective; TANS's `tans/{projection}/...`), the branches' output RMS (branch_metrics.py: forward hooks on that
+step's micro-batches, one collective) and the share of clipped steps since the last logging step (host counters).
+A timed step (the trainer's logging steps) marks the phase boundaries on `timer` (distsparse/step_timer.py: reduce =
+phases 1-2, dense_step, then the engine's backbone_step, refresh, gather); an untimed one pays nothing for it.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class JointOptimizer:
         self.step_index = 0
         self._losses: list[torch.Tensor] = []
         # The branch's output RMS, measured on logging steps only (branch_metrics.py).
-        self.branches = BranchProbe(ds_engine.module) if hasattr(ds_engine, "module") else None
+        self.branches = BranchProbe(ds_engine.module)
         # Applied and clipped steps since the last logging step: host ints, since the coefficient is a host float
         # already (phase 2's one read), so `optim/clipped_share` costs no sync and no device op per step.
         self._window_steps = self._window_clipped = 0
@@ -95,7 +96,7 @@ class JointOptimizer:
         """Start optimizer step `step` (0-based: steps completed so far). `measure` marks a logging step: its
         forwards measure the branches' output RMS (branch_metrics.py), reported by `step(measure_norm=True)`."""
         self.step_index, self._losses = step, []
-        if measure and self.branches is not None:
+        if measure:
             self.branches.start()
         self.hooks.before_step(step)
 
@@ -173,7 +174,7 @@ class JointOptimizer:
         """A logging step's window statistics: the share of clipped steps among the optimizer steps applied since
         the previous logging step (this one included; skipped steps are not optimizer steps) when clipping is on,
         and the branches' output RMS ratios of this step's forwards (a collective)."""
-        out = self.branches.read() if self.branches is not None else {}
+        out = self.branches.read()
         if self.grad_clip > 0 and self._window_steps:
             out["optim/clipped_share"] = self._window_clipped / self._window_steps
         self._window_steps = self._window_clipped = 0
