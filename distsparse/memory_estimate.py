@@ -16,6 +16,8 @@ Parts (DESIGN s6; tools/scale_check.py's docstring says how each is measured):
     index_cache      0 (the flat index is derived from the codes per call, issue 19)
     optimizer_state  fp32 master + the rule's `init_state` tensors of the matrices this rank updates (its own, by
                      LPT on `matrix_cost`; every matrix in replicated mode)
+    origin_codes     the step-0 codes of the sparse matrices this rank updates, for links_ever_changed
+                     (topology/origin.py): their codes' bytes again, once over the world when sharded
     grad_buffer      persistent fp32 gradients (`grad_buckets.grad_bytes` of the engine's `bucket_layout`)
   transient (held during a step, not between steps)
     grad_staging     the engine's gradient staging, wire copies and reduce outputs at their peak
@@ -47,7 +49,7 @@ from distsparse.optim.rules import init_state
 from distsparse.train.batch import resolve_batch
 
 DENSE_PARTS = ("module_copy", "fp32_partition", "moments", "grad_partition")
-BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "grad_buffer")
+BACKBONE_PARTS = ("values", "codes", "index_cache", "optimizer_state", "origin_codes", "grad_buffer")
 TRANSIENT_PARTS = ("grad_staging", "value_gather", "reduce_bucket")
 DS_REDUCE_BUCKET = 500_000_000   # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
 ADAM_STEP_BYTES = 4              # torch Adam's fp32 step counter tensor per parameter group
@@ -103,12 +105,13 @@ def backbone_analytic(matrices: dict[str, dict[str, Any]], method: MethodConfig,
     owners = matrix_owners(matrices, method, world_size)
     sizing = {"num_buckets": num_buckets} if mode == "full" else {"bucket_bytes": bucket_bytes}
     layout = bucket_layout(numel, owners, world_size, **sizing)
-    state = [0] * world_size
+    state, origin = [0] * world_size, [0] * world_size
     for name, m in matrices.items():
         tensors = init_state(method.rule, tuple(m["param"]), "meta").values()
         held = 4 * numel[name] + sum(t.numel() * t.element_size() for t in tensors)
         for rank in range(world_size) if replicated else (owners[name],):
             state[rank] += held
+            origin[rank] += m["codes"]
     values = values_bytes * sum(numel.values())
     codes = sum(m["codes"] for m in matrices.values())
     ranks = []
@@ -116,6 +119,7 @@ def backbone_analytic(matrices: dict[str, dict[str, Any]], method: MethodConfig,
         grads = grad_bytes(layout, rank, world_size, mode, micro_batches=micro_batches,
                            reduce_itemsize=reduce_itemsize, wire_copy=reduce_itemsize != 4)
         ranks.append({"values": values, "codes": codes, "index_cache": 0, "optimizer_state": state[rank],
+                      "origin_codes": origin[rank],
                       "grad_buffer": grads["persistent"], "grad_transient_peak": grads["transient_peak"]})
     return ranks
 

@@ -109,7 +109,8 @@ def test_350m_plan_on_2_ranks_is_within_10_percent_of_the_measured_parts():
     for r, rank in enumerate(plan["ranks"]):
         parts = measured["model_state_bytes_per_rank"][f"rank{r}"]
         for side in ("dense_side", "backbone"):
-            assert set(rank[side]) == set(parts[side])
+            # origin_codes (issue 28) is newer than the measurement: tests/test_mechanism_metrics.py checks it
+            assert set(rank[side]) - {"origin_codes"} == set(parts[side])
             for part, value in parts[side].items():
                 assert abs(rank[side][part] - value) <= REL * value, (r, side, part, rank[side][part], value)
         staging = measured["backbone_grad_transient_peak_bytes_per_rank"][r]

@@ -26,6 +26,7 @@ after backward and before the optimizer step, when gradients are held too:
     index_cache        tensors an NMSparseLinear keeps besides values and codes, in any attribute or container
                        (none: since issue 19 the flat index is derived from the codes per call, a transient)
     optimizer_state    masters and rule state of the owned matrices (`matrix.state_bytes()` less the gradients)
+    origin_codes       the step-0 codes of the owned sparse matrices (`matrix.origin_code_bytes()`)
     grad_buffer        the persistent fp32 gradients: full mode's W x shard buffer (every rank holds every
                        gradient) or sharded mode's accumulator of the rank's own matrices
 Reported beside them, not in the sums: `grad_transient_peak`, the most the engine's gradient staging, wire copies
@@ -173,6 +174,7 @@ def backbone_bytes(trainer, seen: set) -> dict[str, int]:
             "codes": storage_bytes((m.codes for m in sparse), seen),
             "index_cache": index_cache_bytes(sparse, seen),
             "optimizer_state": matrix.state_bytes() - storage_bytes(grads, set()),
+            "origin_codes": matrix.origin_code_bytes(),
             "grad_buffer": storage_bytes(grads, seen)}
 
 

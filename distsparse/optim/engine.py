@@ -62,6 +62,7 @@ from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule
 from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.topology import RefreshResult
+from distsparse.topology.origin import links_off_origin
 
 GATHER_CHUNK = 1 << 24   # elements per rank in one values all-gather: staging stays (W + 1) x 64 MiB in fp32
 
@@ -190,6 +191,8 @@ class MatrixEngine:
         self.shadows: dict[str, dict[str, torch.Tensor]] = {
             name: init_shadow(g.state_of(row), self.matrices[name].shape)
             for name, (g, row) in self._where.items() if reset_mode == "none" and self.matrices[name].sparse}
+        # The step-0 codes of every sparse matrix updated here, for links_ever_changed (topology/origin.py).
+        self.origin_codes = {n: self.matrices[n].module.codes.clone() for n in self._where if self.matrices[n].sparse}
         self._hooks = [m.param.register_post_accumulate_grad_hook(self._hook(m)) for m in self.matrices.values()]
 
     # ---- gradients ---------------------------------------------------------------------------------------
@@ -309,14 +312,17 @@ class MatrixEngine:
         return stats
 
     def _refresh(self, refresh: RefreshFn) -> dict[str, dict]:
-        stats = {}
+        stats, off_origin = {}, []
         for m in self.updated_here():
             if not m.sparse:
                 continue
             group, row = self._where[m.name]
             outcome = refresh(m.name, group.master_views[row], m.module.meta)
             self.on_refresh(m.name, outcome)
-            stats[m.name] = outcome.stats
+            stats[m.name] = {**outcome.stats, "links_kept": float(m.numel)}
+            off_origin.append(links_off_origin(outcome.meta, self.origin_codes[m.name]))
+        for s, off in zip(stats.values(), torch.stack(off_origin).tolist() if off_origin else []):   # one read
+            s["links_off_origin"] = float(off)
         self._distribute_codes()
         return stats
 
@@ -388,14 +394,14 @@ class MatrixEngine:
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Per-matrix state of the matrices this rank owns, keyed by parameter name: compact copies of the group
-        rows (master, slot tensors), 0-dim int64 counters, codes, reset mode none's shadows."""
+        rows (master, slot tensors), 0-dim int64 counters, codes, the step-0 codes, reset mode none's shadows."""
         out = {}
         for m in self.owned():
             group, row = self._where[m.name]
             entry = {"master": group.master_views[row].clone(),
                      **{k: v.clone() for k, v in group.state_of(row).items()}}
             if m.sparse:
-                entry["codes"] = m.module.codes.clone()
+                entry["codes"], entry["origin_codes"] = m.module.codes.clone(), self.origin_codes[m.name].clone()
             entry.update({SHADOW + k: v.clone() for k, v in self.shadows.get(m.name, {}).items()})
             out[m.name] = entry
         return out
@@ -409,6 +415,9 @@ class MatrixEngine:
             entry = dict(states[name])
             master = entry.pop("master")
             codes = entry.pop("codes", None)
+            origin = entry.pop("origin_codes", codes)   # a checkpoint from before it: counted from its topology
+            if name in self.origin_codes and origin is not None:
+                self.origin_codes[name] = origin.to(self.origin_codes[name].device).clone()
             if codes is not None:
                 self.matrices[name].module.set_codes(codes.to(self.matrices[name].module.codes.device))
             shadow = {k[len(SHADOW):]: entry.pop(k).to(self.device) for k in list(entry) if k.startswith(SHADOW)}
@@ -426,9 +435,13 @@ class MatrixEngine:
     def state_bytes(self) -> int:
         """Bytes of backbone optimizer state on this rank: masters, rule state (counters at their saved 8 B), reset
         mode none's shadows and the persistent gradient bytes (grad_bytes()). The groups' derived caches are
-        `cache_bytes()`."""
+        `cache_bytes()`, the step-0 codes `origin_code_bytes()`."""
         shadows = sum(t.untyped_storage().nbytes() for s in self.shadows.values() for t in s.values())
         return sum(g.state_bytes() for g in self.groups) + shadows + self.grad_bytes()["persistent"]
+
+    def origin_code_bytes(self) -> int:
+        """Bytes of the step-0 codes this rank keeps (topology/origin.py; memory_estimate's `origin_codes`)."""
+        return sum(t.untyped_storage().nbytes() for t in self.origin_codes.values())
 
     def cache_bytes(self) -> int:
         """Bytes of the groups' derived caches on this rank: the int32 kept index of the sparse groups (4 B per

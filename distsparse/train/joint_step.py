@@ -22,9 +22,10 @@ The one host sync per step is phase 2's read: DeepSpeed's ZeRO step branches in 
 engine decides in Python whether its rules run, so finiteness must reach the host every step (on CPU it is free).
 The loss and the preemption flag ride along at no extra cost. Refresh steps add the refresh statistics' collectives
 (topology_policy.refresh_metrics), logging steps the update rule's statistics (rule_metrics.py: one host read, one
-collective; TANS's `tans/{projection}/...`). A timed step (the trainer's logging steps) marks the phase boundaries on
-`timer` (distsparse/step_timer.py: reduce = phases 1-2, dense_step, then the engine's backbone_step, refresh, gather);
-an untimed one pays nothing for it.
+collective; TANS's `tans/{projection}/...`), the branches' output RMS (branch_metrics.py: forward hooks on that
+step's micro-batches, one collective) and the share of clipped steps since the last logging step (host counters).
+A timed step (the trainer's logging steps) marks the phase boundaries on `timer` (distsparse/step_timer.py: reduce =
+phases 1-2, dense_step, then the engine's backbone_step, refresh, gather); an untimed one pays nothing for it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from distsparse import dist as ddist
 from distsparse.optim.engine import MatrixEngine
 from distsparse.step_timer import NULL_TIMER, StepTimer
+from distsparse.train.branch_metrics import BranchProbe
 from distsparse.train.deepspeed_side import DeepSpeedSide
 from distsparse.train.method_hooks import HookSet, MethodHooks
 from distsparse.train.rule_metrics import rule_metrics
@@ -73,6 +75,11 @@ class JointOptimizer:
         self.topology, self.timer = topology, timer
         self.step_index = 0
         self._losses: list[torch.Tensor] = []
+        # The branch's output RMS, measured on logging steps only (branch_metrics.py).
+        self.branches = BranchProbe(ds_engine.module)
+        # Applied and clipped steps since the last logging step: host ints, since the coefficient is a host float
+        # already (phase 2's one read), so `optim/clipped_share` costs no sync and no device op per step.
+        self._window_steps = self._window_clipped = 0
 
     @staticmethod
     def scalar_bytes_per_step(world_size: int) -> float:
@@ -85,9 +92,12 @@ class JointOptimizer:
 
     # ---- micro-steps -------------------------------------------------------------------------------------
 
-    def begin(self, step: int) -> None:
-        """Start optimizer step `step` (0-based: steps completed so far)."""
+    def begin(self, step: int, *, measure: bool = False) -> None:
+        """Start optimizer step `step` (0-based: steps completed so far). `measure` marks a logging step: its
+        forwards measure the branches' output RMS (branch_metrics.py), reported by `step(measure_norm=True)`."""
         self.step_index, self._losses = step, []
+        if measure:
+            self.branches.start()
         self.hooks.before_step(step)
 
     def backward(self, loss: torch.Tensor, *, last: bool) -> None:
@@ -142,6 +152,8 @@ class JointOptimizer:
                 metrics.update(refresh_metrics(stats, self.matrix.last_refresh_seconds))
             if measure_norm and self.matrix.group_rule.stat_keys:   # logging steps: the rule's statistics
                 metrics.update(rule_metrics(self.matrix.rule_stats(), self.matrix.rule_name))
+            self._window_steps += 1
+            self._window_clipped += coef < 1.0
         else:
             log.warning("step %d: non-finite gradients (dense side finite: %s, backbone finite: %s): both sides "
                         "skipped", taken, math.isfinite(dense_sq), math.isfinite(backbone_sq))
@@ -152,6 +164,18 @@ class JointOptimizer:
         self.timer.mark(None)       # statistics, zero_grad and hooks: no phase of their own
         loss_mean = loss_sum / ddist.world_size()
         metrics.update({"loss/train": loss_mean, "optim/clip_coef": coef})
+        if measure_norm:
+            metrics.update(self._logging_metrics())
         if norm is not None:
             metrics["optim/grad_norm"] = norm
         return StepReport(finite, loss_mean, norm, coef, preempt_count > 0, metrics)
+
+    def _logging_metrics(self) -> dict[str, float]:
+        """A logging step's window statistics: the share of clipped steps among the optimizer steps applied since
+        the previous logging step (this one included; skipped steps are not optimizer steps) when clipping is on,
+        and the branches' output RMS ratios of this step's forwards (a collective)."""
+        out = self.branches.read()
+        if self.grad_clip > 0 and self._window_steps:
+            out["optim/clipped_share"] = self._window_clipped / self._window_steps
+        self._window_steps = self._window_clipped = 0
+        return out

@@ -14,7 +14,8 @@ from distsparse.topology import (
     RefreshResult, check_legal, is_refresh_step, refresh_generator, refresh_matrix, t_end_for,
 )
 
-STAT_KEYS = ("groups_selected", "groups_changed", "mpr_exclusions", "links_changed")
+# links_off_origin / links_kept: kept positions the step-0 topology did not hold (MatrixEngine._refresh, origin.py)
+STAT_KEYS = ("groups_selected", "groups_changed", "mpr_exclusions", "links_changed", "links_off_origin", "links_kept")
 
 
 class TopologyPolicy:
@@ -38,7 +39,8 @@ class TopologyPolicy:
 
 
 def refresh_metrics(stats: dict[str, dict], seconds: float) -> dict[str, float]:
-    """Per layer type sums over every rank's owned matrices; zeta and T averaged over the ranks that refreshed a
+    """Per layer type sums over every rank's owned matrices (links_ever_changed: the share of the type's kept
+    positions that its step-0 topology did not hold); zeta and T averaged over the ranks that refreshed a
     matrix of that type (each rank reports them once per type: they are the same on every matrix of a step). One
     all-reduce of a fixed-order vector, one max of the seconds."""
     # Host-side bookkeeping (the stats are Python floats); dist_sum moves it to the collectives' device.
@@ -58,6 +60,8 @@ def refresh_metrics(stats: dict[str, dict], seconds: float) -> dict[str, float]:
         out[f"topology/{proj}/effective_refresh_rate"] = float(vec[i, 1] / sel)
         out[f"topology/{proj}/mpr_exclusions"] = float(vec[i, 2])
         out[f"topology/{proj}/links_changed"] = float(vec[i, 3])
+        if vec[i, 5] > 0:
+            out[f"topology/{proj}/links_ever_changed"] = float(vec[i, 4] / vec[i, 5])
         out["topology/zeta"] = float(vec[i, -3] / ranks)
         out["topology/temperature"] = float(vec[i, -2] / ranks)
     return out

@@ -209,7 +209,7 @@ class Trainer:
         """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`).
         No host sync but the joint step's one read (joint_step.py): the batches are already on the device when
         they come from `self.inputs`, otherwise moved here."""
-        self.joint.begin(self.step)
+        self.joint.begin(self.step, measure=self.is_logging_step(self.step + 1))
         for i, batch in enumerate(batches):
             out = self.engine(input_ids=batch["input_ids"].to(self.device, non_blocking=True),
                               labels=batch["labels"].to(self.device, non_blocking=True))
