@@ -271,3 +271,18 @@ def test_a_seed_at_the_point_under_another_branch_rate_is_refused(tool, tmp_path
     edit_config(write_run(tmp_path, "m", 1, 1, 2, 21.0, r=0.5), "method", branch_lr=9e-3)
     with pytest.raises(ValueError, match=r"other learning rates at b1 d2 r0.5 .*differ: method.branch_lr"):
         tool.summarize(tmp_path)
+
+
+def test_the_fixed_rate_point_is_the_presets_own_rates_at_seed_0(tool, tmp_path, capsys):
+    write_run(tmp_path, "a", 0, 1, 1, 30.0)
+    write_run(tmp_path, "a", 0, 2, 1, 25.0)
+    write_run(tmp_path, "a", 1, 1, 1, 31.0)     # another seed at b1 d1: not the fixed-rate table's number
+    write_run(tmp_path, "c", 0, 1, 1, 45.0)
+    write_run(tmp_path, "c", 0, 0.5, 1, 27.0)
+    write_run(tmp_path, "e", 0, 1, 2, 26.0)     # no b1 d1 point
+    write_run(tmp_path, "f", 0, 1, 1, 28.0, r=1)   # b1 d1 with its own branch rate: not the preset's rates
+    methods = tool.summarize(tmp_path)["methods"]
+    assert {m: e["fixed_rate_ppl"] for m, e in methods.items()} == {"a": 30.0, "c": 45.0, "e": None, "f": None}
+    assert tool.main(["--root", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^a +30\.000 +1\.000$", out, re.M) and re.search(r"^c +45\.000 +1\.500$", out, re.M)

@@ -1,6 +1,7 @@
 """Summary of a full-length bench_quality comparison run over seeds (issue 17 item 7): per method, the grid of
 final validation PPL over (backbone scale b, dense-side scale d) at seed 0, its best pair and whether that pair is
-interior; the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
+interior; its seed-0 PPL at b1 d1 (`fixed_rate_ppl`: the presets' own rates, the paper's fixed-rate protocol, a
+table of its own); the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
 whether it holds on every seed (the same seeds, each one ordered the same way).
 
 A third axis, the branch's own rate (bench_quality --branch-lr-scales: `sweep_b<b>_d<d>_r<r>`, method.branch_lr =
@@ -122,7 +123,10 @@ def summarize_method(runs: list[dict[str, Any]]) -> dict[str, Any]:
     runs at another pair (run at an earlier best pair, before the grid was widened), which are not used."""
     grid = [r for r in runs if r["seed"] == 0 and r["ppl"] is not None]
     best = min(grid, key=lambda r: r["ppl"]) if grid else None
+    # b1 d1: the presets' own rates, the paper's fixed-rate protocol (TANS 1e-3, the Adam family 3e-3, the rest 3e-3)
+    fixed = next((r["ppl"] for r in grid if _pair(r) == (1.0, 1.0, None)), None)
     entry: dict[str, Any] = {
+        "fixed_rate_ppl": fixed,
         "grid": [_grid_point(r) for r in sorted(grid, key=_sort_key)],
         "missing": sorted(_label(r) for r in runs if not r["finished"]),
         "diverged": sorted(_label(r) for r in runs if r["finished"] and r["ppl"] is None),
@@ -217,6 +221,10 @@ def print_summary(summary: dict[str, Any]) -> None:
             if "mean" in e]
     print()
     print_table(["method", "best pair", "interior", "seeds", "mean PPL", "min", "max"], rows)
+    fixed = sorted((e["fixed_rate_ppl"], m) for m, e in summary["methods"].items() if e["fixed_rate_ppl"] is not None)
+    if fixed:
+        print("\nthe paper's fixed rates (b1 d1: the presets' own rates), seed 0")
+        print_table(["method", "final PPL", "/ best"], [[m, ppl, ppl / fixed[0][0]] for ppl, m in fixed])
     print()
     paired = {True: "yes", False: "no", None: "-"}   # "-": the two ran different seeds
     print_table(["lower", "higher", "ratio of means", "on every seed", "ranges apart", "seeds"],
