@@ -1,5 +1,6 @@
 """Shared test setup: CPU DeepSpeed, GPU-marked tests skipped with a reason where no CUDA device exists."""
 
+import json
 import os
 import random
 
@@ -67,3 +68,12 @@ def quality_corpus(tmp_path_factory):
     prepare(PrepConfig(source=f"files:{root}/*.txt", out=out, vocab_size=300, val_fraction=0.25, num_proc=1,
                        seq_len=32))
     return out
+
+
+@pytest.fixture
+def fake_data(tmp_path):
+    """A data directory with only meta.json: enough for tools that read the vocabulary and never train."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"vocab_size": 97, "source": "synthetic"}))
+    return data

@@ -80,13 +80,6 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quali
 
 # ---- the comparison logic with a stand-in trainer -----------------------------------------------------------
 
-@pytest.fixture
-def fake_data(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 97, "source": "synthetic"}))
-    return data
-
 
 def fake_trainer(bench, calls, best_lr_scale, failing=(), best_dense_scale=1.0):
     """PPL = 50 + 10 |log2(b / best_lr_scale)| + 4 |log2(d / best_dense_scale)| at every evaluation, b and d the

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from distsparse.checkpoint import CheckpointError, CheckpointManager
 from distsparse.checkpoint.files import unflatten_states
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.train.ds_config import build_ds_config
+from preempt import signal_during_step
 from synthetic_data import make_data_dir
 
 BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_interval=1000",
@@ -34,14 +34,7 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, sign
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides)
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
     if stop_after is not None:
-        # Deliver a real signal to one rank after `stop_after` steps, through the trainer's own handler.
-        original = trainer.train_step
-
-        def step_then_signal(batches):   # the signal arrives during step `stop_after`, before its boundary
-            if trainer.step + 1 == stop_after and rank == signal_rank:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return original(batches)
-        trainer.train_step = step_then_signal
+        signal_during_step(trainer, stop_after, rank == signal_rank)
     result = trainer.train()
     values = {n: backbone_param(m).detach().clone() for n, m in trainer.backbone.items()}
     codes = {n: m.codes.clone() for n, m in trainer.backbone.items()}

@@ -4,7 +4,6 @@ resumed on 1 rank that keeps its global batch and continues its loss curve."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from distsparse.config import TrainConfig, load_config
 from distsparse.train.batch import BatchPlan, SavedBatch, describe_resume, resolve_batch, saved_batch
 from distsparse.train.ds_config import complete_ds_config
+from preempt import signal_during_step
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,13 +153,7 @@ def _two_ranks(rank, world_size, data_dir, out_dir, stop_after=None):
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
     plan = trainer.plan
     if stop_after is not None:
-        original = trainer.train_step
-
-        def step_then_signal(batches):
-            if trainer.step + 1 == stop_after and rank == 0:
-                os.kill(os.getpid(), signal.SIGUSR1)
-            return original(batches)
-        trainer.train_step = step_then_signal
+        signal_during_step(trainer, stop_after, rank == 0)
     trainer.train()
     trainer.close()
     return plan

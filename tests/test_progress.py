@@ -4,13 +4,12 @@ at step 2 and resumed to step 4: tokens seen from the data state, rate and ETA f
 steps, the names in TensorBoard."""
 
 import logging
-import os
-import signal
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from preempt import signal_during_step
 from rankpool import import_tool
 
 from distsparse.config import load_config
@@ -132,13 +131,7 @@ def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, peak
     try:
         trainer = trainer_module.Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
         if stop_after is not None:   # SIGUSR1 during step `stop_after`: every rank saves there and stops
-            original = trainer.train_step
-
-            def step_then_signal(batches):
-                if trainer.step + 1 == stop_after and rank == 1:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-                return original(batches)
-            trainer.train_step = step_then_signal
+            signal_during_step(trainer, stop_after, rank == 1)
         result = trainer.train()
         flops = bench.flops_per_step(trainer, SEQ, trainer.plan.global_batch * SEQ)
         trainer.close()

@@ -17,13 +17,6 @@ def plan_tool():
     return import_tool("quality_plan")
 
 
-@pytest.fixture
-def fake_data(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"vocab_size": 97, "source": "synthetic"}))
-    return data
-
 
 def test_the_paper_plan_is_the_issues_protocol(plan_tool, fake_data, tmp_path):
     plan = plan_tool.load_plan("paper_60m")
