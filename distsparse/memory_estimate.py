@@ -254,7 +254,8 @@ def format_estimate(estimate: dict[str, Any]) -> str:
     largest = max(range(len(ranks)), key=lambda r: (rank_total(ranks[r]), -r))
     head = (f"memory per rank at W = {estimate['world_size']} ({estimate['dtype']}, ZeRO-{estimate['zero_stage']} "
             f"dense side, engine {estimate['engine_mode']}, gradients {estimate['grad_accum_mode']}, micro-batch "
-            f"{estimate['micro_batch']} x seq {estimate['seq_len']}, activation checkpointing "
+            f"{estimate['micro_batch']} x seq {estimate['seq_len']}, accumulation {estimate['grad_accum']}, "
+            f"activation checkpointing "
             f"{'on' if estimate['activation_checkpointing'] else 'off'})")
     header = f"{'part (MiB)':30s} {f'rank {largest} (largest)':>18s} {'min over ranks':>16s} {'max over ranks':>16s}"
     lines = [head, header]

@@ -234,3 +234,34 @@ def test_dry_run_checks_the_global_batch_of_the_planned_world(data_dir, capsys):
     assert main([*args, "--dry-run-world-size", "128"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: train.micro_batch") and "x 128 rank(s)" in lines[0]
+
+
+@pytest.mark.parametrize("global_batch, world, accum, mode", [(16, 1, 8, "full"), (16, 2, 4, "full"),
+                                                              (4, 2, 1, "sharded"), (16, 8, 1, "sharded")])
+def test_plan_accumulation_follows_the_global_batch_at_the_planned_world(global_batch, world, accum, mode):
+    """global = micro-batch 2 x W x accumulation. Engine `auto` (grad_buckets.resolve_grad_accum_mode): one process
+    is full; one micro-batch per step on W > 1 is sharded; several on W = 2 stay full. A sharded buffer holds about
+    1/W of the gradients, a full one all of them."""
+    plan, _ = _tiny(world, "train.micro_batch=2", f"train.global_batch_size={global_batch}")
+    assert plan["grad_accum"] == accum == global_batch // (2 * world)
+    assert plan["grad_accum_mode"] == mode
+    assert f"micro-batch 2 x seq 64, accumulation {accum}," in format_estimate(plan)
+    grads = max(r["backbone"]["grad_buffer"] for r in plan["ranks"])
+    full_grads = 4 * KEPT   # every kept value's fp32 gradient (a full buffer also pads to W x the largest shard)
+    assert grads >= full_grads if mode == "full" else grads < 0.75 * full_grads
+
+
+def test_dry_run_is_checked_at_the_planned_world_only(data_dir, capsys, monkeypatch):
+    """train.grad_accum 2 agrees with global 64 / (micro-batch 4 x 8 planned ranks); on this 1-process machine it
+    would be 16: the dry run for 8 ranks is not refused for the world it is not planning."""
+    from distsparse.cli.pretrain import main
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    args = ["--dry-run", "model.preset=tiny", f"data.dir={data_dir}", "data.seq_len=256", "train.micro_batch=4",
+            "train.global_batch_size=64", "train.grad_accum=2"]
+    assert main([*args, "--dry-run-world-size", "8"]) == 0, capsys.readouterr().err
+    assert "memory per rank at W = 8" in capsys.readouterr().out
+    assert main([*args, "--dry-run-world-size", "4"]) == 2   # there the global batch gives 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: train.grad_accum: got 2, but train.global_batch_size "
+                                               "64 / (train.micro_batch 4 x 4 rank(s)) gives 4"), err

@@ -201,3 +201,24 @@ def test_a_two_rank_run_resumed_on_one_rank_keeps_the_global_batch_and_its_loss_
     la, lb = _losses(ref), _losses(part)
     for s in range(5, 9):   # the same samples per step, summed in another order: float32 rounding only
         assert abs(la[s] - lb[s]) <= 1e-3 * abs(la[s]), (s, la[s], lb[s])
+
+
+def test_a_resume_whose_global_batch_does_not_divide_the_consumed_samples_is_refused_before_any_process_group(
+        data_dir, monkeypatch):
+    """The sampler continues at a whole global batch: 12 consumed samples (3 steps of 4) continue under a global
+    batch of 6 or 12, not of 8, which validate refuses naming both numbers (after launch it was a traceback)."""
+    import distsparse.train.validate as validate_module
+    manifest = {"world_size": 1, "global_batch_size": 4, "grad_accum": 2, "consumed_samples": 12,
+                "config": {"train": {"micro_batch": 2, "grad_accum": 1, "global_batch_size": 4}}}
+    monkeypatch.setattr(validate_module, "check_resume", lambda cfg, meta: manifest)
+    base = [f"data.dir={data_dir}", "data.seq_len=32", "train.micro_batch=2", "checkpoint.resume=auto"]
+    for ok in (6, 12, 4):
+        validate_module.validate(load_config(None, base + [f"train.global_batch_size={ok}"]), world_size=1)
+    with pytest.raises(ValueError, match=r"^train.global_batch_size: got 8, but the checkpoint resumed has consumed "
+                                         r"12 samples, not a multiple of it; allowed: a global batch that divides 12 "
+                                         r"\(the checkpoint's is 4\)"):
+        validate_module.validate(load_config(None, base + ["train.global_batch_size=8"]), world_size=1)
+    # the legacy form: micro-batch 2 x grad_accum 5 is a new global batch of 10
+    with pytest.raises(ValueError, match=r"^train.micro_batch: got 2, a global batch of train.micro_batch x "
+                                         r"train.grad_accum \(5\) x 1 rank\(s\) = 10, but the checkpoint resumed"):
+        validate_module.validate(load_config(None, base + ["train.grad_accum=5"]), world_size=1)

@@ -76,21 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     except launch_env.LaunchError as err:
         print(f"launch error: {err}", file=sys.stderr)
         return 2
+    # A dry run is checked at the world it plans only: the batch plan valid on 64 ranks may not be on this laptop.
+    world_size = args.dry_run_world_size or env.world_size
     try:
-        meta = validate(cfg, world_size=env.world_size)   # the data checks need the global batch
+        meta = validate(cfg, world_size=world_size)   # the data checks need the global batch
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         from distsparse.memory_estimate import estimate_run, format_estimate
         from distsparse.models import build_on_meta, parameter_counts
-        world_size = args.dry_run_world_size or env.world_size
-        if world_size != env.world_size:
-            try:
-                meta = validate(cfg, world_size=world_size)   # the planned world's global batch
-            except ValueError as err:
-                print(f"config error: {err}", file=sys.stderr)
-                return 2
         # Shapes only: a 1b plan allocates nothing model-sized.
         model = build_on_meta(cfg.model, cfg.method, cfg.model.vocab_size or meta["vocab_size"], cfg.train.seed)
         for key, value in parameter_counts(model).items():

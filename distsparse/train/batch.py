@@ -70,6 +70,19 @@ def resolve_batch(train, world_size: int, saved: SavedBatch | None = None) -> Ba
     return BatchPlan(target, micro, accum, world_size)
 
 
+def check_resume_position(plan: BatchPlan, saved: SavedBatch, consumed_samples: int, train) -> None:
+    """ValueError, before any process group, when a resume's global batch does not divide the samples the checkpoint
+    consumed: the sampler continues at a whole global batch (data/sampler.py) and would refuse it after launch."""
+    if consumed_samples % plan.global_batch == 0:
+        return
+    source = (f"train.global_batch_size: got {plan.global_batch}" if train.global_batch_size else
+              f"train.micro_batch: got {plan.micro_batch}, a global batch of train.micro_batch x train.grad_accum "
+              f"({train.grad_accum}) x {plan.world_size} rank(s) = {plan.global_batch}")
+    raise ValueError(f"{source}, but the checkpoint resumed has consumed {consumed_samples} samples, not a multiple "
+                     f"of it; allowed: a global batch that divides {consumed_samples} (the checkpoint's is "
+                     f"{saved.global_batch}), or a checkpoint.resume whose consumed samples it divides")
+
+
 def describe_resume(plan: BatchPlan, saved: SavedBatch) -> str | None:
     """The resume log's sentence on the batch, None when nothing about it changed."""
     if plan.global_batch == saved.global_batch:

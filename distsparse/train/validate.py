@@ -8,7 +8,7 @@ from distsparse.checkpoint import check_resume
 from distsparse.config import Config, check_backbone_shapes
 from distsparse.data import TokenDataset, load_meta
 from distsparse.data.dataset import SPLITS
-from distsparse.train.batch import resolve_batch, saved_batch
+from distsparse.train.batch import check_resume_position, resolve_batch, saved_batch
 from distsparse.train.data_checks import check_data
 
 
@@ -31,7 +31,10 @@ def validate(cfg: Config, world_size: int = 1) -> dict:
         raise ValueError(f"logging.wandb.mode: got {cfg.logging.wandb.mode!r}, but wandb is not installed; allowed: "
                          f"disabled, or install it (pip install wandb, the project's `wandb` extra)")
     manifest = check_resume(cfg, meta)
-    plan = resolve_batch(cfg.train, world_size, saved_batch(manifest) if manifest else None)
+    saved = saved_batch(manifest) if manifest else None
+    plan = resolve_batch(cfg.train, world_size, saved)
+    if manifest:
+        check_resume_position(plan, saved, int(manifest["consumed_samples"]), cfg.train)
     # the shards exist, have meta.json's sizes and hold a sample at data.seq_len
     datasets = {split: TokenDataset(cfg.data.dir, split, cfg.data.seq_len) for split in SPLITS}
     check_data(cfg, meta, plan=plan, num_train_samples=len(datasets["train"]))
