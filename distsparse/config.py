@@ -555,7 +555,8 @@ def config_to_dict(cfg: Any) -> dict:
 # Sections that change no number a run computes: left out when finished runs are compared by config.
 RESULT_NEUTRAL_SECTIONS = ("checkpoint", "logging")
 ADDED_KEYS = {("method", "branch_lr"): None, ("method", "branch_weight_decay"): None,   # issue 28: one dense group
-              ("train", "global_batch_size"): 0}   # issue 26: the global batch from micro_batch x grad_accum x world
+              ("train", "global_batch_size"): 0,   # issue 26: the global batch from micro_batch x grad_accum x world
+              ("optim", "compile"): False}         # issue 25: the section, eager group kernels
 
 
 def separate_branch_group(method: dict) -> bool:
@@ -568,6 +569,8 @@ def with_added_keys(config: dict) -> dict:
     """A recorded config (config_to_dict's layout) with every ADDED_KEYS entry it lacks set to its value."""
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
     for (section, key), value in ADDED_KEYS.items():
-        if isinstance(out.get(section), dict):
+        if section not in out:   # a section added since: the run had its keys at their values then
+            out[section] = {}
+        if isinstance(out[section], dict):
             out[section].setdefault(key, value)
     return out
