@@ -126,9 +126,16 @@ def _train(rank, world_size, data_dir, out_dir, grad_clip):
         logged[trainer.step] = {k: v for k, v in report.metrics.items() if k == "optim/clipped_share"}
         return report
     trainer.step_once = recording
+    measured, begin = [], trainer.joint.begin
+
+    def measuring(step, **kwargs):   # the steps (1-based) whose forwards the branch probe measures
+        begin(step, **kwargs)
+        if trainer.joint.branches.active:
+            measured.append(step + 1)
+    trainer.joint.begin = measuring
     trainer.train()
     trainer.close()
-    return coefs, logged
+    return coefs, logged, measured
 
 
 def _expected_shares(coefs: list[float], steps: list[int]) -> dict[int, float]:
@@ -149,7 +156,7 @@ def data_dir(tmp_path_factory):
 @pytest.mark.parametrize("grad_clip, share", [(1e-6, 1.0), (1e6, 0.0)])
 def test_clipped_share_is_one_when_every_step_clips_and_zero_when_none_does(ranks2, data_dir, tmp_path, grad_clip,
                                                                             share):
-    (coefs, logged), _ = ranks2.run(_train, data_dir, str(tmp_path / "run"), grad_clip)
+    (coefs, logged, _), _ = ranks2.run(_train, data_dir, str(tmp_path / "run"), grad_clip)
     assert [s for s, m in logged.items() if m] == [3, 6, 7]
     assert {s: m["optim/clipped_share"] for s, m in logged.items() if m} == {3: share, 6: share, 7: share}
     assert all((c < 1.0) == (share == 1.0) for c in coefs)
@@ -160,8 +167,9 @@ def test_a_run_writes_the_mechanism_statistics_to_tensorboard(ranks2, data_dir, 
     coefficients; the branch ratios on logging steps only; links_ever_changed on refresh steps (2 and 4: t_end ends
     them before 6)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    (coefs, logged), (coefs1, _) = ranks2.run(_train, data_dir, str(tmp_path / "run"), 2.4)
+    (coefs, logged, measured), (coefs1, _, measured1) = ranks2.run(_train, data_dir, str(tmp_path / "run"), 2.4)
     assert coefs == coefs1
+    assert measured == measured1 == [3, 6, 7], "the branch hooks run on logging steps only"
     want = _expected_shares(coefs, [3, 6, 7])
     assert 0.0 < sum(want.values()) < 3.0, f"mixed: some windows clip, not all ({coefs})"
     ea = EventAccumulator(str(tmp_path / "run" / "tb"))

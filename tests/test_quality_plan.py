@@ -123,3 +123,54 @@ def test_slurm_tasks_are_one_gpu_each_with_the_cluster_options(plan_tool, fake_d
     for line in ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=1", "--partition=gpu", "--account=proj",
                  "--time=180", "--cpus-per-task=8", "--job-name=quality_paper_60m"):
         assert f"#SBATCH {line}\n" in text, (line, text)
+
+
+def test_a_slurm_task_runs_in_the_environment_slurm_gives_it(plan_tool, fake_data, tmp_path, fake_srun, monkeypatch):
+    """The GPU SLURM assigns a task arrives in the task's environment (CUDA_VISIBLE_DEVICES); the run must see it,
+    not the submitting host's environment captured at submission."""
+    import sys
+    args = plan_tool.parse_args(["--plan", "paper_60m", "--data", str(fake_data), "--root", str(tmp_path),
+                                 "--executor", "slurm"])
+    executor = plan_tool.make_executor(args)
+    assert "export PYTHONUNBUFFERED=1\n" in executor._executor._make_submission_file_text("CMD", "uid")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    probe = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+    task = plan_tool.task_function(probe, executor)          # built on the submitting host
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")          # what SLURM sets inside the task
+    assert task().strip() == "3"
+    local = plan_tool.make_executor(plan_tool.parse_args(["--plan", "paper_60m", "--data", str(fake_data), "--root",
+                                                          str(tmp_path / "local"), "--executor", "local"]))
+    monkeypatch.setenv("SLURM_NTASKS", "4")                  # an salloc shell: not passed to a local run
+    slurm_probe = [sys.executable, "-c", "import os; print(os.environ.get('SLURM_NTASKS'))"]
+    assert plan_tool.task_function(slurm_probe, local)().strip() == "None"
+
+
+def test_an_unfinished_attempt_is_cleared_before_its_run_is_submitted_again(plan_tool, fake_data, tmp_path):
+    """A cancelled task leaves event files in its run directory; the retrained run must not append its curve to
+    them (read_curve reads every event file under tb/)."""
+    import contextlib
+    plan = plan_tool.load_plan("paper_60m", ["methods=[chts24_1of4_row]", "backbone_lr_scales=[1]"])
+    runs = plan_tool.stage_runs(plan, str(fake_data), tmp_path, 0, {})
+    stale = runs[0].spec.out_dir / "tb" / "events.out.tfevents.cancelled"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("")
+    seen = []
+
+    class Job:
+        job_id, paths = "7_0", None
+
+        def result(self):
+            return ""
+
+    class Executor:
+        cluster = "slurm"
+
+        @contextlib.contextmanager
+        def batch(self):
+            yield
+
+        def submit(self, fn):
+            seen.append(stale.exists())
+            return Job()
+    outcomes = plan_tool.run_stage(runs, Executor(), 0)
+    assert seen == [False] and outcomes[0].final_ppl is None   # cleared before submission; no result yet

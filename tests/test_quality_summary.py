@@ -113,6 +113,18 @@ def test_interior_needs_points_on_both_sides_of_both_axes(tool):
                                              {"b": 2, "d": 2}]) is False   # nothing below b1 at d2
 
 
+def test_an_axis_with_one_value_is_not_swept_and_not_checked(tool):
+    """bench_quality --plan runs the dense side at its preset's rate only (d1): a best b inside the b sweep is
+    interior, one at the b sweep's edge is not."""
+    line = [{"b": b, "d": 1} for b in (0.25, 0.5, 1, 2)]
+    assert tool.interior({"b": 0.5, "d": 1}, line) is True
+    assert tool.interior({"b": 2, "d": 1}, line) is False
+    # The plan's branch sweep beside the coupled point (no r): that point is no value of the r axis.
+    branch = [{"b": 1, "d": 1, "r": r} for r in (None, 0.5, 1, 3)]
+    assert tool.interior({"b": 1, "d": 1, "r": 1}, branch) is True
+    assert tool.interior({"b": 1, "d": 1, "r": 3}, branch) is False
+
+
 def test_scales_in_directory_names_as_bench_quality_writes_them(tool, tmp_path):
     """f"{scale:g}": 0.25 -> b0.25, 1e-05 -> d1e-05, 1.5 -> d1.5."""
     write_run(tmp_path, "a", 0, 0.25, 1e-05, 7.0)

@@ -181,9 +181,7 @@ def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[benc
             if r.spec.out_dir.exists():
                 shutil.rmtree(r.spec.out_dir)   # an unfinished attempt's event files would mix into the curve
         with executor.batch():
-            jobs = [executor.submit(submitit.helpers.CommandFunction(
-                bench_quality.run_command(r.args, r.spec), cwd=str(bench_quality.ROOT), env=_task_env(executor)))
-                for r in part]
+            jobs = [executor.submit(task_function(bench_quality.run_command(r.args, r.spec), executor)) for r in part]
         print(f"  submitted {len(jobs)} runs (job {jobs[0].job_id.split('_')[0]}); waiting", flush=True)
         for r, job in zip(part, jobs):
             try:
@@ -195,12 +193,19 @@ def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[benc
     return [bench_quality.read_outcome(r.args, r.spec, 0, [], None) for r in runs]
 
 
-def _task_env(executor: Any) -> dict[str, str]:
+def task_function(command: list[str], executor: Any) -> Any:
+    """The submitted callable of one run. A SLURM task runs it in the environment SLURM gives the task (its
+    CUDA_VISIBLE_DEVICES, its one-task SLURM_* that launch_env reads as a world of 1): an environment captured here,
+    on the submitting host, would replace it and put every task of a node on its first GPU. A local task runs in
+    this process's environment less SLURM_* (an salloc shell's SLURM_NTASKS would make the run refuse to start)."""
+    import submitit
+
+    if getattr(executor, "cluster", "") != "local":
+        return submitit.helpers.CommandFunction(command, cwd=str(bench_quality.ROOT))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONUNBUFFERED"] = "1"
-    if getattr(executor, "cluster", "") == "local":
-        env.setdefault("DS_ACCELERATOR", "cpu" if not bench_quality._cuda_available() else "cuda")
-    return env
+    env.setdefault("DS_ACCELERATOR", "cpu" if not bench_quality._cuda_available() else "cuda")
+    return submitit.helpers.CommandFunction(command, cwd=str(bench_quality.ROOT), env=env)
 
 
 def make_executor(args: argparse.Namespace) -> Any:
@@ -212,7 +217,8 @@ def make_executor(args: argparse.Namespace) -> Any:
                                tasks_per_node=1, cpus_per_task=args.cpus_per_task)
     if args.executor == "slurm":
         extra = {k: v for k, v in (("slurm_partition", args.partition), ("slurm_account", args.account)) if v}
-        executor.update_parameters(gpus_per_node=1, slurm_array_parallelism=args.array_parallelism, **extra)
+        executor.update_parameters(gpus_per_node=1, slurm_array_parallelism=args.array_parallelism,
+                                   slurm_setup=["export PYTHONUNBUFFERED=1"], **extra)
     return executor
 
 

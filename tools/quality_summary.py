@@ -109,10 +109,15 @@ def _check_same(seen: dict[tuple, tuple[Path, dict[str, Any]]], key: tuple, valu
 
 def interior(best: dict[str, Any], grid: list[dict[str, Any]]) -> bool:
     """True when finished points surround `best` on each of its axes (the same d and r on both sides of its b, the
-    same b and r on both sides of its d, and, with a branch axis, the same b and d on both sides of its r)."""
+    same b and r on both sides of its d, and, with a branch axis, the same b and d on both sides of its r). An axis
+    the grid holds one value of was not swept (a plan's one dense-side rate: bench_quality --plan) and is not checked."""
     axes = ("b", "d") if best.get("r") is None else ("b", "d", "r")
     for axis in axes:
-        line = [p[axis] for p in grid if all(p.get(a) == best.get(a) for a in ("b", "d", "r") if a != axis)]
+        if len({p.get(axis) for p in grid}) == 1:
+            continue
+        # a point without r (the branch on train.lr) is no value of the r axis
+        line = [p[axis] for p in grid if p.get(axis) is not None
+                and all(p.get(a) == best.get(a) for a in ("b", "d", "r") if a != axis)]
         if not min(line) < best[axis] < max(line):
             return False
     return True
