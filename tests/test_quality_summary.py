@@ -176,8 +176,10 @@ def test_methods_with_their_own_method_settings_and_seeds_are_one_protocol(tool,
     assert summary["methods"]["a"]["seeds"] == {"0": 9.0, "1": 9.5}
     assert summary["config"]["protocol"] == {"model": {"preset": "small_tied"},
                                              "data": {"dir": "data/pydocs4k", "seq_len": 64},
-                                             # a run recorded before train.global_batch_size reads as it at 0
-                                             "train": {"steps": STEPS, "warmup_steps": 150, "global_batch_size": 0}}
+                                             # a run recorded before train.global_batch_size reads as it at 0,
+                                             # one before the optim section as eager (config.ADDED_KEYS)
+                                             "train": {"steps": STEPS, "warmup_steps": 150, "global_batch_size": 0},
+                                             "optim": {"compile": False}}
 
 
 def test_a_seed_under_other_method_settings_is_refused(tool, tmp_path):
