@@ -265,3 +265,22 @@ def test_dry_run_is_checked_at_the_planned_world_only(data_dir, capsys, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: train.grad_accum: got 2, but train.global_batch_size "
                                                "64 / (train.micro_batch 4 x 4 rank(s)) gives 4"), err
+
+
+def test_a_dry_run_plans_a_run_whose_data_is_not_here_from_the_config_alone(tmp_path, capsys, monkeypatch):
+    """A laptop planning a 64-rank cluster run: no data.dir here, the vocabulary stated; the batch plan is still
+    checked at the planned world, and without a vocabulary the plan is refused naming model.vocab_size."""
+    from distsparse import launch_env
+    from distsparse.cli.pretrain import main
+
+    monkeypatch.setattr(launch_env, "start", lambda *_: pytest.fail("--dry-run started the process group"))
+    args = ["--dry-run", "--config", "paper_350m_chtsnm_1of4_row", f"data.dir={tmp_path / 'on_the_cluster'}"]
+    # 512 sequences = micro-batch 32 x accumulation 1 x 16 ranks; overrides may follow the options
+    assert main([*args, "--dry-run-world-size", "16", "model.vocab_size=32000"]) == 0
+    out = capsys.readouterr().out
+    assert "data checks skipped, vocabulary 32000 from model.vocab_size" in out
+    assert "memory per rank at W = 16" in out and "accumulation 1," in out
+    assert main([*args, "--dry-run-world-size", "64", "model.vocab_size=32000"]) == 2   # 512 / (32 x 64)
+    assert "train.global_batch_size: got 512, not a multiple of" in capsys.readouterr().err
+    assert main([*args, "--dry-run-world-size", "16", "model.vocab_size=0"]) == 2
+    assert "model.vocab_size: got 0" in capsys.readouterr().err

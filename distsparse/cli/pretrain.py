@@ -22,7 +22,7 @@ import yaml
 from distsparse import launch_env
 from distsparse.config import config_to_dict, load_config
 from distsparse.train.ds_config import build_ds_config
-from distsparse.train.validate import validate
+from distsparse.train.validate import validate, validate_without_data
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="write the run's result (step, losses, preempted and by which signal) to this file from "
                         "each node's first process (launch/slurm.py --launcher torchrun reads it)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)   # overrides may follow options (`--dry-run-world-size 64 a.b=1`)
     if args.dry_run_world_size is not None and (not args.dry_run or args.dry_run_world_size < 1):
         p.error(f"--dry-run-world-size: got {args.dry_run_world_size}"
                 f"{'' if args.dry_run else ' without --dry-run'}; allowed: an integer >= 1, with --dry-run")
@@ -78,14 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # A dry run is checked at the world it plans only: the batch plan valid on 64 ranks may not be on this laptop.
     world_size = args.dry_run_world_size or env.world_size
+    planning_elsewhere = args.dry_run and not (Path(cfg.data.dir) / "meta.json").is_file()
     try:
-        meta = validate(cfg, world_size=world_size)   # the data checks need the global batch
+        # the data checks need the global batch; a plan for data that is not here checks the config alone
+        meta = validate_without_data(cfg, world_size) if planning_elsewhere else validate(cfg, world_size=world_size)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
         from distsparse.memory_estimate import estimate_run, format_estimate
         from distsparse.models import build_on_meta, parameter_counts
+        if planning_elsewhere:
+            print(f"data.dir {cfg.data.dir!r} has no meta.json here: data checks skipped, vocabulary "
+                  f"{cfg.model.vocab_size} from model.vocab_size")
         # Shapes only: a 1b plan allocates nothing model-sized.
         model = build_on_meta(cfg.model, cfg.method, cfg.model.vocab_size or meta["vocab_size"], cfg.train.seed)
         for key, value in parameter_counts(model).items():

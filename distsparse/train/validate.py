@@ -12,6 +12,21 @@ from distsparse.train.batch import check_resume_position, resolve_batch, saved_b
 from distsparse.train.data_checks import check_data
 
 
+def validate_without_data(cfg: Config, world_size: int) -> dict:
+    """The checks that need no data, for a `--dry-run` planning a run whose data.dir is not on this machine (a
+    laptop planning a cluster run): the batch plan at `world_size` and the backbone's shapes; the vocabulary must
+    be stated (model.vocab_size). Returns a stand-in meta with that vocabulary."""
+    if not cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size: got 0 and data.dir {cfg.data.dir!r} has no meta.json here; allowed: "
+                         f"the data's vocabulary size (e.g. model.vocab_size=32000), or a data.dir that exists")
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; allowed: <= model.max_position_embeddings "
+                         f"({cfg.model.max_position_embeddings})")
+    check_backbone_shapes(cfg.model, cfg.method)
+    resolve_batch(cfg.train, world_size)
+    return {"vocab_size": cfg.model.vocab_size}
+
+
 def validate(cfg: Config, world_size: int = 1) -> dict:
     """Raise ValueError naming key, value and what is allowed; return the data's meta.json. `world_size`: the
     ranks the run will have (the batch plan is resolved for it, with the checkpoint it resumes, and its global
