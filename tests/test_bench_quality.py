@@ -5,6 +5,7 @@ stand-in whose PPL is a known function of the learning rate."""
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,7 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quali
         # Evaluations after steps 2 and 4 of 2 x 32 tokens each.
         assert [t for t, _ in entry["curve"]] == [128, 256]
         result = json.loads((runs / name / "full" / "result.json").read_text())
-        # The curve comes from TensorBoard, the final PPL from result.json: two paths to the same number.
+        # The curve comes from the logged scalars, the final PPL from result.json: two paths to the same number.
         assert entry["curve"][-1][1] == pytest.approx(entry["final_ppl"], rel=1e-5)
         assert entry["final_ppl"] == pytest.approx(math.exp(result["final/val_loss"]), rel=1e-5)
         assert 1.0 < entry["final_ppl"] < 400.0   # below a uniform guess over 300 pieces (+ slack for 4 steps)
@@ -66,6 +67,23 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quali
         assert entry["wall_s"] is None
         assert {k: v for k, v in entry.items() if k != "wall_s"} == \
             {k: v for k, v in payload["methods"][name].items() if k != "wall_s"}
+
+    # Each run keeps its curves as CSV beside result.json, the TensorBoard scalars at every logged step; a run
+    # directory without its event files (as docs/results keeps it) is read back from the CSV alone.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = runs / "chts24_1of4_row" / "full"
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0}).Reload()
+    lines = (run_dir / "curves.csv").read_text().splitlines()
+    assert lines[0] == "step,loss/train,loss/val,loss/val_ppl,optim/grad_norm"
+    assert [int(line.split(",")[0]) for line in lines[1:]] == [e.step for e in events.Scalars("loss/train")]
+    assert [float(line.split(",")[1]) for line in lines[1:]] == [e.value for e in events.Scalars("loss/train")]
+    assert [float(line.split(",")[2]) for line in lines[1:] if line.split(",")[2]] == \
+        [e.value for e in events.Scalars("loss/val")]
+    shutil.rmtree(run_dir / "tb")
+    out_json.unlink()
+    assert bench.main(argv) == 0
+    assert json.loads(out_json.read_text())["methods"]["chts24_1of4_row"]["curve"] == \
+        payload["methods"]["chts24_1of4_row"]["curve"]
 
     # A run is read back only under its own config, and never with --force.
     args = bench.parse_args(argv)

@@ -11,8 +11,9 @@ launcher for --nproc N), all with the same model, seed, data order and token bud
 (--micro-batch sequences of --seq-len tokens, split over the ranks) and the step count are shared, so the
 sampler hands every method the same samples in the same order (distsparse/data/sampler.py). Validation PPL is
 token-weighted (the trainer's `loss/val_ppl`), evaluated every steps // K steps and at the last step, so every
-method has its evaluation points at the same token counts. The curve is read back from the run's TensorBoard
-events; the final numbers from its result.json.
+method has its evaluation points at the same token counts. The curve is read back from the run's curves.csv
+(its logged losses, validation PPL and gradient norm per step, written from its TensorBoard events: what
+docs/results keeps of a run beside config.json and result.json); the final numbers from its result.json.
 
 The table ranks the methods by final PPL, with the ratio to `dense_adamw` and to the CHTs24 run of the same
 sparsity and layout (`chts24_{N}of{M}_{row|block}`, parsed from the preset name's suffix), where present.
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import json
 import math
 import os
@@ -357,7 +359,7 @@ def train(args: argparse.Namespace, run: RunSpec) -> RunOutcome:
 def read_outcome(args: argparse.Namespace, run: RunSpec, returncode: int, tail: list[str],
                  wall_s: float | None) -> RunOutcome:
     tokens_per_step = args.micro_batch * args.seq_len
-    curve = read_curve(run.out_dir / "tb", tokens_per_step) if (run.out_dir / "tb").exists() else []
+    curve = read_curve(run.out_dir, tokens_per_step)
     if returncode != 0:
         last = next((line for line in reversed(tail) if line.strip()), "")
         return RunOutcome(None, None, None, curve, f"exit code {returncode}: {last.strip()[:300]}", wall_s)
@@ -381,14 +383,44 @@ def _finite(value: Any) -> float | None:
     return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
-def read_curve(tb_dir: Path, tokens_per_step: int) -> list[list[float]]:
-    """[[tokens, val_ppl], ...] from the run's TensorBoard `loss/val_ppl` scalars, in step order."""
+CURVES_FILE = "curves.csv"
+CURVE_TAGS = ("loss/train", "loss/val", "loss/val_ppl", "optim/grad_norm")   # what the README's figures redraw
+
+
+def write_curves(run_dir: Path) -> None:
+    """RUN_DIR/curves.csv from the run's TensorBoard events (tb/): one row per logged step, a column per tag of
+    CURVE_TAGS, empty where the step logged no such value (validation every eval_interval steps). The CSV is what
+    docs/results keeps of a run's curves; its event files stay in runs/."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})   # 0: keep every point
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})   # 0: keep every point
     events.Reload()
-    if "loss/val_ppl" not in events.Tags()["scalars"]:
-        return []
-    by_step = {e.step: e.value for e in events.Scalars("loss/val_ppl")}   # a reloaded step keeps its last value
+    tags = [t for t in CURVE_TAGS if t in events.Tags()["scalars"]]
+    # A reloaded step keeps its last value.
+    values = {t: {e.step: e.value for e in events.Scalars(t)} for t in tags}
+    steps = sorted({s for by_step in values.values() for s in by_step})
+    rows = [",".join(["step", *tags])] + [",".join([str(s), *(repr(values[t][s]) if s in values[t] else ""
+                                                              for t in tags)]) for s in steps]
+    tmp = run_dir / (CURVES_FILE + ".tmp")
+    tmp.write_text("\n".join(rows) + "\n")
+    os.replace(tmp, run_dir / CURVES_FILE)
+
+
+def read_curves(run_dir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} of RUN_DIR/curves.csv, written first from tb/ when the run has event files (a run of
+    this machine, finished or not); {} for a run with neither."""
+    if (run_dir / "tb").is_dir():
+        write_curves(run_dir)
+    if not (run_dir / CURVES_FILE).is_file():
+        return {}
+    with open(run_dir / CURVES_FILE, newline="") as f:
+        rows = list(csv.DictReader(f))
+    tags = [t for t in (rows[0] if rows else {}) if t != "step"]
+    return {t: {int(r["step"]): float(r[t]) for r in rows if r[t]} for t in tags}
+
+
+def read_curve(run_dir: Path, tokens_per_step: int) -> list[list[float]]:
+    """[[tokens, val_ppl], ...] of the run's `loss/val_ppl`, in step order (a diverged value as None)."""
+    by_step = read_curves(run_dir).get("loss/val_ppl", {})
     return [[step * tokens_per_step, _finite(by_step[step])] for step in sorted(by_step)]
 
 
