@@ -1,10 +1,10 @@
 """Rewrite README.md's "Results" section from benchmark JSON files (issue 9 item 7).
 
-    python tools/update_readme_results.py                          # runs/bench/*.json and runs/q/quality.json
-    python tools/update_readme_results.py out/a.json out/b.json    # these files only
-    python tools/update_readme_results.py --glob 'runs/**/*.json' --readme README.md
+    python -m bench.update_readme_results                          # runs/bench/*.json and runs/q/quality.json
+    python -m bench.update_readme_results out/a.json out/b.json    # these files only
+    python -m bench.update_readme_results --glob 'runs/**/*.json' --readme README.md
 
-A benchmark file is a JSON object with top-level `machine` and `config` (DESIGN s6; tools/benchlib.py); other JSON
+A benchmark file is a JSON object with top-level `machine` and `config` (DESIGN s6; distsparse/report.py); other JSON
 files (training runs' config.json, result.json) are skipped and named on stderr. The section lies between the
 marker comments `<!-- results:start -->` and `<!-- results:end -->`; when README.md has no markers, a
 "## Results" heading and the markers are appended at its end. Text outside the markers is never changed, and a
@@ -170,7 +170,7 @@ def _label(path: Path, base: Path) -> str:
 
 
 def render_section(files: list[tuple[Path, dict]], base: Path) -> str:
-    note = (f"_Written by `tools/update_readme_results.py` from {len(files)} benchmark file(s); rerun it instead "
+    note = (f"_Written by `bench/update_readme_results.py` from {len(files)} benchmark file(s); rerun it instead "
             "of editing this section._")
     lines = [START, "", note, ""]
     for path, payload in files:

@@ -1,32 +1,30 @@
-"""A comparison protocol as one command (issue 28 item 5): a plan file names the model, the token budget, the methods
-and the sweeps; `bench_quality --plan` runs it in three stages, each stage's missing runs as one submitit job array
-(one task per GPU), and ranks the result with quality_summary.
+"""A comparison protocol as one command (issue 28 item 5): a plan file (distsparse/configs/plans/<name>.yaml or a
+path) names the model, the token budget, the methods and the sweeps; `bench_quality --plan` runs it in three
+stages, each stage's missing runs as one submitit job array (one task per GPU), and ranks the result with
+quality_summary.
 
-    python tools/bench_quality.py --plan paper_60m --data data/c4_60m --root runs/paper_60m \\
+    python -m bench.bench_quality --plan paper_60m --data data/c4_60m --root runs/paper_60m \\
         --executor slurm --partition gpu --account proj --time 3:00:00 [--array-parallelism 16]
-    python tools/bench_quality.py --plan paper_60m --data data/pydocs4k --root runs/plan_local --executor local \\
+    python -m bench.bench_quality --plan paper_60m --data data/pydocs4k --root runs/plan_local --executor local \\
         --plan-set model=tiny --plan-set steps=8 ...          # the same plan here, one run at a time
 
-Stages (the plan is distsparse/configs/plans/<name>.yaml or a path):
-1. seed 0, every method at each `backbone_lr_scales` factor of its preset's method.lr (factor 1 is the paper's
-   fixed-rate protocol: the presets' own rates), the rest of the model at the preset's train.lr;
-2. seed 0, the methods with a branch: each `branch_lr_scales` factor of train.lr as method.branch_lr, at the stage-1
-   best backbone factor;
+1. seed 0, every method at each `backbone_lr_scales` factor of its preset's method.lr (factor 1: the presets' own
+   rates, the paper's fixed-rate protocol), the rest of the model at the preset's train.lr;
+2. seed 0, the methods with a branch: each `branch_lr_scales` factor of train.lr as method.branch_lr, at the
+   stage-1 best backbone factor;
 3. every seed of `seeds` at each method's best seed-0 point.
-A stage starts when the one before it has every run finished; its best points are known only then. Every run is
-full length, in the directory layout quality_summary reads (`<root>/seed<S>/<method>/sweep_b<b>_d1[_r<r>]`) and with
-bench_quality's commands (one process per run, `train.micro_batch` = micro_batch_per_gpu and the accumulation that
-makes global_batch). A run whose directory holds a result of its config is read back, not rerun, so running the
-same command again after a failure, a cancelled array or a finished stage continues where the plan stands; an
-unfinished run restarts from step 0. `--executor slurm` submits and waits (run it where it may wait: tmux on the
-login node); the task logs are under <root>/submitit.
+A stage starts when the one before it has every run finished. Every run is full length, in quality_summary's
+layout (`<root>/seed<S>/<method>/sweep_b<b>_d1[_r<r>]`), one process with `train.micro_batch` =
+micro_batch_per_gpu and the accumulation that makes global_batch. Finished runs of their config are read back, so
+the same command again (after a failure, a cancelled array, a finished stage) continues where the plan stands; an
+unfinished run restarts from step 0. `--executor slurm` submits and waits (tmux on the login node); task logs are
+under <root>/submitit.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -34,8 +32,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import bench_quality
-import quality_summary
+from bench import quality_runs, quality_summary
+from bench.quality_runs import RunInTheWay, RunOutcome, RunSpec, finished_earlier, point_name, refuse_to_replace
 from distsparse.cli.slurm import parse_time
 from distsparse.config import build_settings, parse_override, read_yaml_file, shipped_or_given
 
@@ -74,8 +72,7 @@ class Plan:
         _names("plan.overrides", self.overrides)
         for key in ("backbone_lr_scales", "branch_lr_scales"):
             scales = getattr(self, key)
-            if not scales or any(isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s)
-                                 or s <= 0 for s in scales) or len(set(scales)) != len(scales):
+            if not quality_runs.valid_scales(scales):
                 raise ValueError(f"plan.{key}: got {scales!r}; allowed: a list of distinct positive numbers")
         if 1 not in self.backbone_lr_scales:
             raise ValueError(f"plan.backbone_lr_scales: got {self.backbone_lr_scales!r}; allowed: a list holding "
@@ -123,18 +120,18 @@ def comparison_args(plan: Plan, data: str, root: Path, seed: int, lr_scales: lis
     for item in (f"train.micro_batch={plan.micro_batch_per_gpu}", f"train.grad_accum={plan.grad_accum}",
                  *plan.overrides):
         argv += ["--set", item]
-    return bench_quality.parse_args(argv)
+    return quality_runs.parse_args(argv)
 
 
 @dataclasses.dataclass
 class PlannedRun:
     args: argparse.Namespace       # bench_quality's settings of the run's seed
-    spec: bench_quality.RunSpec
+    spec: RunSpec
     point: tuple[float, ...]       # (backbone factor, dense-side factor[, branch factor]), as quality_summary reads it
 
 
 def _planned(args: argparse.Namespace, method: str) -> list[PlannedRun]:
-    return [PlannedRun(args, spec, key) for key, spec in bench_quality.sweep_specs(args, method).items()]
+    return [PlannedRun(args, spec, key) for key, spec in quality_runs.sweep_specs(args, method).items()]
 
 
 def stage_runs(plan: Plan, data: str, root: Path, stage: int, best: dict[str, tuple[float, ...]]) -> list[PlannedRun]:
@@ -147,7 +144,7 @@ def stage_runs(plan: Plan, data: str, root: Path, stage: int, best: dict[str, tu
         b, _, *r = best[method]
         if stage == 1:
             args = comparison_args(plan, data, root, 0, [b], plan.branch_lr_scales)
-            if bench_quality.has_branch(method, bench_quality.base_overrides(args)):
+            if quality_runs.has_branch(method, quality_runs.base_overrides(args)):
                 runs += _planned(args, method)
         else:
             runs += [run for seed in plan.seeds for run in _planned(comparison_args(plan, data, root, seed, [b], r),
@@ -156,7 +153,7 @@ def stage_runs(plan: Plan, data: str, root: Path, stage: int, best: dict[str, tu
 
 
 def record_seed0(scores: dict[str, dict[tuple[float, ...], float]], runs: list[PlannedRun],
-                 outcomes: list[bench_quality.RunOutcome]) -> dict[str, tuple[float, ...]]:
+                 outcomes: list[RunOutcome]) -> dict[str, tuple[float, ...]]:
     """Add the finite final PPLs of seed-0 `runs` to `scores` (method -> point -> PPL) and return every method's
     best point so far (a diverged run is never best)."""
     for run, outcome in zip(runs, outcomes):
@@ -165,15 +162,15 @@ def record_seed0(scores: dict[str, dict[tuple[float, ...], float]], runs: list[P
     return {method: min(points, key=points.get) for method, points in scores.items() if points}
 
 
-def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[bench_quality.RunOutcome]:
+def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[RunOutcome]:
     """Train the runs of a stage that have no result of their config yet, as job arrays of at most `parallel`
     tasks (0: all at once), and read every run's outcome back from its directory."""
     import submitit
 
-    missing = [r for r in runs if not bench_quality.finished_earlier(r.args, r.spec)]
+    missing = [r for r in runs if not finished_earlier(r.args, r.spec)]
     print(f"  {len(runs) - len(missing)} of {len(runs)} runs finished earlier; {len(missing)} to train", flush=True)
     for r in missing:
-        bench_quality.refuse_to_replace(r.args, r.spec)
+        refuse_to_replace(r.args, r.spec)
     chunk = parallel or max(len(missing), 1)
     for start in range(0, len(missing), chunk):
         part = missing[start:start + chunk]
@@ -181,7 +178,7 @@ def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[benc
             if r.spec.out_dir.exists():
                 shutil.rmtree(r.spec.out_dir)   # an unfinished attempt's event files would mix into the curve
         with executor.batch():
-            jobs = [executor.submit(task_function(bench_quality.run_command(r.args, r.spec), executor)) for r in part]
+            jobs = [executor.submit(task_function(quality_runs.run_command(r.args, r.spec), executor)) for r in part]
         print(f"  submitted {len(jobs)} runs (job {jobs[0].job_id.split('_')[0]}); waiting", flush=True)
         for r, job in zip(part, jobs):
             try:
@@ -190,7 +187,7 @@ def run_stage(runs: list[PlannedRun], executor: Any, parallel: int) -> list[benc
             except Exception as err:   # a failed task: its directory has no result; reported after the stage
                 print(f"  [{r.spec.label}] seed {r.args.seed}: failed ({str(err).splitlines()[0][:200]}); log "
                       f"{job.paths.stderr}", flush=True)
-    return [bench_quality.read_outcome(r.args, r.spec, 0, [], None) for r in runs]
+    return [quality_runs.read_outcome(r.args, r.spec, 0, [], None) for r in runs]
 
 
 def task_function(command: list[str], executor: Any) -> Any:
@@ -201,11 +198,9 @@ def task_function(command: list[str], executor: Any) -> Any:
     import submitit
 
     if getattr(executor, "cluster", "") != "local":
-        return submitit.helpers.CommandFunction(command, cwd=str(bench_quality.ROOT))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("DS_ACCELERATOR", "cpu" if not bench_quality._cuda_available() else "cuda")
-    return submitit.helpers.CommandFunction(command, cwd=str(bench_quality.ROOT), env=env)
+        return submitit.helpers.CommandFunction(command, cwd=str(quality_runs.ROOT))
+    env = quality_runs.run_env({k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    return submitit.helpers.CommandFunction(command, cwd=str(quality_runs.ROOT), env=env)
 
 
 def make_executor(args: argparse.Namespace) -> Any:
@@ -223,7 +218,7 @@ def make_executor(args: argparse.Namespace) -> Any:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_quality.py --plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.bench_quality --plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--plan", required=True, help="plan file, or a name of distsparse/configs/plans/")
     p.add_argument("--plan-set", action="append", default=[], metavar="KEY=VALUE",
                    help="change one plan key (repeatable), e.g. --plan-set model=tiny --plan-set steps=8")
@@ -261,7 +256,7 @@ def main(argv: list[str]) -> int:
         plan.keep_checkpoint = plan.keep_checkpoint or args.keep_checkpoint
         first = stage_runs(plan, args.data, args.root, 0, {})   # unknown presets and bad settings fail here
         for r in first:
-            bench_quality.refuse_to_replace(r.args, r.spec)
+            refuse_to_replace(r.args, r.spec)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -274,10 +269,10 @@ def main(argv: list[str]) -> int:
         print(f"stage {stage + 1}/{len(STAGES)}: {name}, {len(runs)} runs", flush=True)
         try:
             outcomes = run_stage(runs, executor, parallel)
-        except bench_quality.RunInTheWay as err:
+        except RunInTheWay as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        unfinished = [r for r in runs if not bench_quality.finished_earlier(r.args, r.spec)]
+        unfinished = [r for r in runs if not finished_earlier(r.args, r.spec)]
         if unfinished:
             names = ", ".join(f"{r.spec.out_dir.relative_to(args.root)}" for r in unfinished)
             print(f"error: stage {stage + 1} ({name}): {len(unfinished)} runs did not finish: {names}; run the same "
@@ -290,6 +285,6 @@ def main(argv: list[str]) -> int:
                 print(f"error: stage {stage + 1} ({name}): no finite final PPL for {', '.join(missing)}; widen "
                       "plan.backbone_lr_scales towards lower rates", file=sys.stderr)
                 return 1
-            print("  best seed-0 points: " + "; ".join(f"{m} {bench_quality._point_name(*(*k, None)[:3])}"
+            print("  best seed-0 points: " + "; ".join(f"{m} {point_name(*k)}"
                                                         for m, k in best.items()), flush=True)
     return quality_summary.main(["--root", str(args.root), "--json", str(args.json or args.root / "summary.json")])

@@ -1,29 +1,20 @@
-"""Summary of a full-length bench_quality comparison run over seeds (issue 17 item 7): per method, the grid of
-final validation PPL over (backbone scale b, dense-side scale d) at seed 0, its best pair and whether that pair is
-interior; its seed-0 PPL at b1 d1 (`fixed_rate_ppl`: the presets' own rates, the paper's fixed-rate protocol, a
-table of its own); the seeds run at the best pair (mean, min, max); and every pairwise ordering of the seed means, with
-whether it holds on every seed (the same seeds, each one ordered the same way).
+"""Summary of a full-length bench_quality comparison over seeds (issue 17 item 7): per method, the seed-0 grid of
+final validation PPL over (backbone scale b, dense-side scale d[, branch scale r]), its best point and whether
+that point is interior (finished points on both sides of it on each swept axis; otherwise the optimum may lie
+outside what was run); its seed-0 PPL at b1 d1 (`fixed_rate_ppl`: the presets' own rates, the paper's fixed-rate
+protocol); the seeds run at the best point (mean, min, max); and every pairwise ordering of the seed means, with
+whether it holds on every seed. The seed-0 grid chooses the point; the other seeds only run it.
 
-A third axis, the branch's own rate (bench_quality --branch-lr-scales: `sweep_b<b>_d<d>_r<r>`, method.branch_lr =
-r x the preset's train.lr), makes the grid a set of (b, d, r) points; the best point is chosen over all of them and
-is interior when finished points surround it on each of its axes. Runs without r (the branch on train.lr, or no
-branch) are points of a method's b x d grid as before; a run recorded before method.branch_lr existed reads as one
-with it null (distsparse.config.ADDED_KEYS).
+    python -m bench.quality_summary --root docs/results/quality_small_tied --json docs/results/quality_small_tied.json
 
-    python tools/quality_summary.py --root docs/results/quality_small_tied --json docs/results/quality_small_tied.json
-
-Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>/{config.json,result.json}`, the directories bench_quality's
-full-length sweep leaves (`--out-root <root>/seed<S>`, `--seed S`); the grid can be partial while the comparison is
-still running: a directory without a result.json of its config's step count (in flight, or cut short) is listed as
-missing, and a finished run whose final PPL is not finite (the trainer writes NaN for a diverged run) as diverged,
-neither ranked. Every finished run must share one protocol (its config less the method, the two learning rates, the
-seed and the output directory), every finished run of a method its method settings (less the backbone learning
-rate), and every finished run at one pair of a method its two learning rates; a run that differs is refused by name,
-with the keys that differ, so numbers of different budgets or settings are never ranked or averaged together.
-
-A best pair is interior when finished points at the same d lie on both sides of its b, and at the same b on both
-sides of its d; otherwise the optimum may lie outside what was run (widen the grid there). The seed-0 grid chooses
-the pair; the other seeds only run it.
+Reads `<root>/seed<S>/<method>/sweep_b<b>_d<d>[_r<r>]/{config.json,result.json}` (bench_quality's full-length
+sweep with `--out-root <root>/seed<S> --seed S`, or its --plan). The grid can be partial: a directory without a
+result.json of its config's step count is missing, a finished run with a non-finite PPL diverged; neither is
+ranked. A run without r (the branch on train.lr, or no branch; one recorded before method.branch_lr existed reads
+as it null) is a point of the b x d grid. Every finished run must share one protocol (its config less the method,
+the two learning rates, the seed and the output directory), every finished run of a method its method settings
+(less its rates), and every finished run at one point its rates: a run that differs is refused by name, with the
+keys that differ, so numbers of different budgets or settings are never ranked or averaged together.
 """
 
 from __future__ import annotations
@@ -38,12 +29,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchlib import add_json_arg, machine_info, print_table, write_json
-from distsparse.config import RESULT_NEUTRAL_SECTIONS, with_added_keys
+from bench.quality_runs import POINT_DIR, comparable, point_name
+from distsparse.config import with_added_keys
+from distsparse.report import add_json_arg, machine_info, print_table, write_json
 from distsparse.utils import config_differences
 
-SCALE = r"[0-9]+(?:\.[0-9]+)?(?:e[+-][0-9]+)?"   # a positive scale as bench_quality names it: f"{scale:g}"
-RUN_DIR = re.compile(f"sweep_b(?P<b>{SCALE})_d(?P<d>{SCALE})(?:_r(?P<r>{SCALE}))?")
 SEED_DIR = re.compile(r"seed(?P<seed>[0-9]+)")
 
 
@@ -56,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def protocol(config: dict[str, Any]) -> dict[str, Any]:
     """What every run of one comparison shares: the config less what the comparison varies."""
-    shared = {k: v for k, v in config.items() if k != "method" and k not in RESULT_NEUTRAL_SECTIONS}
-    shared["train"] = {k: v for k, v in config["train"].items() if k not in ("lr", "seed", "out_dir")}
+    shared = {k: v for k, v in comparable(config).items() if k != "method"}
+    shared["train"] = {k: v for k, v in shared["train"].items() if k not in ("lr", "seed")}
     return shared
 
 
@@ -68,7 +58,7 @@ def read_runs(root: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     runs: list[dict[str, Any]] = []
     seen: dict[tuple, tuple[Path, dict[str, Any]]] = {}   # what was checked -> (first finished run, its value)
     for run_dir in sorted(root.glob("seed*/*/sweep_*")):
-        seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), RUN_DIR.fullmatch(run_dir.name)
+        seed_match, name_match = SEED_DIR.fullmatch(run_dir.parent.parent.name), POINT_DIR.fullmatch(run_dir.name)
         if seed_match is None or name_match is None or not (run_dir / "config.json").is_file():
             continue
         config = with_added_keys(json.loads((run_dir / "config.json").read_text()))
@@ -194,7 +184,7 @@ def _grid_point(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _point_label(b: float, d: float, r: float | None) -> str:
-    return f"b{b:g} d{d:g}" + ("" if r is None else f" r{r:g}")
+    return point_name(b, d, r).replace("_", " ")
 
 
 def _label(run: dict[str, Any]) -> str:
