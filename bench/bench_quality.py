@@ -6,34 +6,28 @@
          [--sweep-steps 1500]] \\
         [--force] [--nproc 1] [--eval-points 10] [--out-root runs/quality]
 
-Every method is one run (bench/quality_runs.py), all with the same model, seed, data order and token budget: the
-global batch (--micro-batch sequences of --seq-len tokens, split over the ranks) and the step count are shared, so
-the sampler hands every method the same samples in the same order (distsparse/data/sampler.py). Validation PPL is
-token-weighted (the trainer's `loss/val_ppl`), evaluated every steps // K steps and at the last step, so every
-method has its evaluation points at the same token counts. The curve is read back from the run's curves.csv, the
-final numbers from its result.json. The table ranks the methods by final PPL, with the ratio to `dense_adamw` and
-to the CHTs24 run of the same sparsity and layout (`chts24_{N}of{M}_{row|block}`, the preset name's suffix).
+Every method is one run (bench/quality_runs.py) with the same model, seed, data order and token budget: the global
+batch (--micro-batch sequences of --seq-len tokens, split over the ranks) and the step count are shared, so the
+sampler hands every method the same samples in the same order. Validation PPL (token-weighted, the trainer's
+`loss/val_ppl`) is evaluated every steps // K steps and at the last step, at the same token counts for every
+method; the curve is read back from the run's curves.csv, the final numbers from its result.json. The table ranks
+the methods by final PPL, with the ratio to `dense_adamw` and to the CHTs24 run of the same sparsity and layout.
 
-Resumable per method: the JSON is rewritten atomically after every method, and a method that already has a
-result there is skipped unless --force (a JSON written under another comparison config is refused, not mixed). A
-method whose run failed is recorded with "skipped": reason, the comparison goes on, the next invocation retries it.
-A finished run directory of the same config is read back, not rerun: an interrupted sweep resumes at its first
-missing point. A finished run of another config is refused before anything trains (except the full run after a
-short sweep, whose rates are known only then). The DeepSpeed JSON is not part of a run's config: give runs under
-another --ds-config their own --out-root. A run writes no checkpoint unless --keep-checkpoint (then one, at its
-end, in RUN_DIR/checkpoints: branch magnitudes and exports can be examined later).
+Resumable: the JSON is rewritten atomically after every method; a method with a result there is skipped unless
+--force (a JSON of another comparison config is refused); a failed method is recorded with "skipped": reason and
+retried by the next invocation; a finished run directory of the same config is read back, one of another config
+refused before anything trains (except the full run after a short sweep, whose rates are known only then). The
+DeepSpeed JSON is no part of a run's config: give runs under another --ds-config their own --out-root.
 
-LR sweep (--lr-sweep): for the named methods, every --lr-scales factor of the preset's backbone `method.lr` with
-every --dense-lr-scales factor of the dense-side `train.lr` (embeddings, norms, head, branches), one run per pair
-on --sweep-steps steps (default 1/4, the LR schedule compressed to that length), then the full run at the pair
-with the lowest final PPL. The two rates are swept independently: how well the dense side is tuned must not decide
-a comparison of backbones. Short sweeps are cheap but biased towards high LRs (a high LR wins early and loses in
-the schedule's tail); with --sweep-steps equal to --steps every point is a full run, evaluated at the comparison's
-token counts, and the best one is the method's result. The JSON records every point, the chosen pair and whether
-it lies on the grid's edge (then the grid should be widened). --branch-lr-scales (issue 28) adds a third axis for
-the swept methods with a branch: each factor of the preset's train.lr becomes `method.branch_lr`, the branch's own
-DeepSpeed group (`sweep_b<b>_d<d>_r<r>`), independent of the point's dense-side rate; other methods keep the
-preset's method.branch_lr (null: the branch on train.lr, the paper's coupling).
+LR sweep (--lr-sweep): every --lr-scales factor of the preset's backbone `method.lr` with every --dense-lr-scales
+factor of its dense-side `train.lr` (embeddings, norms, head, branches), swept independently so that how well the
+dense side is tuned does not decide a comparison of backbones; then the full run at the best pair. Short sweeps
+(default 1/4 of the steps, the LR schedule compressed to it) are cheap but favour high LRs (a high LR wins early
+and loses in the schedule's tail); with --sweep-steps equal to --steps every point is a full run and the best one
+is the method's result. The JSON records every point, the chosen pair and whether it lies on the grid's edge.
+--branch-lr-scales (issue 28) adds a third axis for the swept methods with a branch: factors of the preset's
+train.lr (not the point's, so the three rates are swept independently) as `method.branch_lr`, the branch's own
+DeepSpeed group (`sweep_b<b>_d<d>_r<r>`); other runs keep the preset's (null: the branch on train.lr).
 
 A whole protocol in stages, on a SLURM cluster or here (`--plan`, its own options: bench/quality_plan.py):
 
@@ -151,25 +145,17 @@ def load_previous(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     return previous["methods"]
 
 
-def sparsity_suffix(method: str) -> str | None:
-    """`_1of4_row` of `chtsnm_1of4_row`; None for a dense preset."""
-    match = _SPARSITY_SUFFIX.search(method)
-    return match.group(0) if match else None
-
-
 def reference_ratios(methods: dict[str, dict]) -> dict[str, dict[str, float | None]]:
     """Per method: final PPL over dense_adamw's and over chts24 of the same sparsity and layout (None if absent)."""
-    def ppl(name: str | None) -> float | None:
-        entry = methods.get(name) if name else None
-        return entry["final_ppl"] if entry else None
+    def ratio(own: float | None, name: str | None) -> float | None:
+        other = methods[name]["final_ppl"] if name in methods else None
+        return own / other if own and other else None
 
     out = {}
     for name, entry in methods.items():
-        own, dense = entry["final_ppl"], ppl(REFERENCE_DENSE)
-        suffix = sparsity_suffix(name)
-        chts = ppl(f"chts24{suffix}") if suffix else None
-        out[name] = {"vs_dense": own / dense if own and dense else None,
-                     "vs_chts24": own / chts if own and chts else None}
+        suffix = _SPARSITY_SUFFIX.search(name)   # `_1of4_row` of `chtsnm_1of4_row`; none for a dense preset
+        out[name] = {"vs_dense": ratio(entry["final_ppl"], REFERENCE_DENSE),
+                     "vs_chts24": ratio(entry["final_ppl"], suffix and f"chts24{suffix.group(0)}")}
     return out
 
 

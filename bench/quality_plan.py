@@ -219,22 +219,21 @@ def make_executor(args: argparse.Namespace) -> Any:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.bench_quality --plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True, help="plan file, or a name of distsparse/configs/plans/")
-    p.add_argument("--plan-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="change one plan key (repeatable), e.g. --plan-set model=tiny --plan-set steps=8")
-    p.add_argument("--data", required=True, help="prepared data directory (data_prep)")
-    p.add_argument("--root", required=True, type=Path, help="run directories: ROOT/seed<S>/<method>/sweep_...")
-    p.add_argument("--executor", choices=("slurm", "local"), required=True)
-    p.add_argument("--time", default="180", help="time limit of one run's task, in SLURM's forms (default 180 "
-                                                 "minutes)")
-    p.add_argument("--partition", default="", help="SLURM partition")
-    p.add_argument("--account", default="", help="SLURM account")
-    p.add_argument("--cpus-per-task", type=int, default=8, help="CPUs per run's task (default 8)")
-    p.add_argument("--array-parallelism", type=int, default=64, help="SLURM tasks of one array at once (default 64)")
-    p.add_argument("--local-parallel", type=int, default=1,
-                   help="local executor: runs at once (default 1; 0: the whole stage)")
-    p.add_argument("--keep-checkpoint", action="store_true", help="keep each run's final checkpoint")
-    p.add_argument("--json", type=Path, default=None, help="quality_summary's JSON (default ROOT/summary.json)")
+    add = p.add_argument
+    add("--plan", required=True, help="plan file, or a name of distsparse/configs/plans/")
+    add("--plan-set", action="append", default=[], metavar="KEY=VALUE",
+        help="change one plan key (repeatable), e.g. --plan-set model=tiny --plan-set steps=8")
+    add("--data", required=True, help="prepared data directory (data_prep)")
+    add("--root", required=True, type=Path, help="run directories: ROOT/seed<S>/<method>/sweep_...")
+    add("--executor", choices=("slurm", "local"), required=True)
+    add("--time", default="180", help="time limit of one run's task, in SLURM's forms (default 180 minutes)")
+    add("--partition", default="", help="SLURM partition")
+    add("--account", default="", help="SLURM account")
+    add("--cpus-per-task", type=int, default=8, help="CPUs per run's task (default 8)")
+    add("--array-parallelism", type=int, default=64, help="SLURM tasks of one array at once (default 64)")
+    add("--local-parallel", type=int, default=1, help="local executor: runs at once (default 1; 0: the whole stage)")
+    add("--keep-checkpoint", action="store_true", help="keep each run's final checkpoint")
+    add("--json", type=Path, default=None, help="quality_summary's JSON (default ROOT/summary.json)")
     args = p.parse_args(argv)
     args.root = args.root.resolve()
     try:

@@ -44,53 +44,43 @@ CURVE_TAGS = ("loss/train", "loss/val", "loss/val_ppl", "optim/grad_norm")   # w
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
     """bench_quality's settings (a comparison); ValueError names a bad one."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="prepared data directory (data_prep; its vocab sizes the model)")
-    p.add_argument("--methods", required=True, help="comma-separated method presets (configs/method/*.yaml)")
-    p.add_argument("--model", default="small", help="model preset (configs/model/*.yaml; default small)")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps per method")
-    p.add_argument("--micro-batch", type=int, default=8,
-                   help="sequences per optimizer step over all ranks (default 8; each rank takes 1/nproc)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--eval-points", type=int, default=10,
-                   help="K: evaluate every steps // K steps and at the last step (default 10)")
-    p.add_argument("--eval-samples", type=int, default=256,
-                   help="validation sequences per evaluation, 0 for all (default 256)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data order seed (default 0)")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="LR warmup steps (default: the trainer's train.warmup_steps)")
-    p.add_argument("--lr-sweep", default="", metavar="METHOD,...",
-                   help="methods to tune first: one run per pair of a --lr-scales factor of the preset's backbone "
-                        "lr (method.lr) and a --dense-lr-scales factor of the dense-side lr (train.lr), each on "
-                        "--sweep-steps steps; the full run then uses the pair with the lowest final PPL")
-    p.add_argument("--lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
-                   help=f"backbone LR (method.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
-    p.add_argument("--dense-lr-scales", default=DEFAULT_LR_SCALES, metavar="S,...",
-                   help=f"dense-side LR (train.lr) factors of the sweep (default {DEFAULT_LR_SCALES})")
-    p.add_argument("--branch-lr-scales", default="", metavar="S,...",
-                   help="branch LR (method.branch_lr) factors of the preset's train.lr: a third sweep axis for the "
-                        "swept methods with a branch (default: none, the preset's method.branch_lr)")
-    p.add_argument("--sweep-steps", type=int, default=None,
-                   help=f"steps per sweep run (default steps // {SWEEP_STEP_FRACTION}); equal to --steps, the "
-                        "best sweep run is the method's result")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra config override for every run (repeatable), e.g. --set train.grad_clip=0.5")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="ranks per run (default 1: plain python; N > 1 uses the deepspeed launcher)")
-    p.add_argument("--ds-config", default="configs/ds/zero2.json",
-                   help="DeepSpeed JSON, relative to the repository root (default ZeRO-2)")
-    p.add_argument("--out-root", default="runs/quality",
-                   help="run directories go to OUT_ROOT/METHOD/{full,sweep_b1_d1,...} (default runs/quality)")
-    p.add_argument("--json", required=True, metavar="PATH", help="results JSON (read first: finished methods skip)")
-    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of validation PPL against training tokens")
-    p.add_argument("--keep-checkpoint", action="store_true",
-                   help="keep each run's final checkpoint in RUN_DIR/checkpoints (default: none is written; the "
-                        "checkpoint settings are not part of the config a finished run is read back by)")
-    p.add_argument("--force", action="store_true",
-                   help="rerun methods that already have a result in the JSON, and runs finished in --out-root")
+    p = argparse.ArgumentParser(description=description)
+    add = p.add_argument
+    add("--data", required=True, help="prepared data directory (data_prep; its vocab sizes the model)")
+    add("--methods", required=True, help="comma-separated method presets (configs/method/*.yaml)")
+    add("--model", default="small", help="model preset (configs/model/*.yaml; default small)")
+    add("--steps", type=int, required=True, help="optimizer steps per method")
+    add("--micro-batch", type=int, default=8,
+        help="sequences per optimizer step over all ranks (default 8; each rank takes 1/nproc)")
+    add("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    add("--eval-points", type=int, default=10, help="K: evaluate every steps // K steps and at the last (default 10)")
+    add("--eval-samples", type=int, default=256, help="validation sequences per evaluation, 0 for all (default 256)")
+    add("--seed", type=int, default=0, help="model init and data order seed (default 0)")
+    add("--warmup-steps", type=int, default=None, help="LR warmup steps (default: the trainer's train.warmup_steps)")
+    add("--lr-sweep", default="", metavar="METHOD,...",
+        help="methods to tune first: one run per pair of a --lr-scales factor of the preset's method.lr (backbone) "
+             "and a --dense-lr-scales factor of its train.lr (dense side), each on --sweep-steps steps; the full "
+             "run then uses the pair with the lowest final PPL")
+    for flag, what in (("--lr-scales", "backbone LR (method.lr)"), ("--dense-lr-scales", "dense-side LR (train.lr)")):
+        add(flag, default=DEFAULT_LR_SCALES, metavar="S,...", help=f"{what} factors (default {DEFAULT_LR_SCALES})")
+    add("--branch-lr-scales", default="", metavar="S,...",
+        help="method.branch_lr factors of the preset's train.lr: a third sweep axis for the swept methods with a "
+             "branch (default: none, the preset's method.branch_lr)")
+    add("--sweep-steps", type=int, default=None, help=f"steps per sweep run (default steps // "
+        f"{SWEEP_STEP_FRACTION}); equal to --steps, the best sweep run is the method's result")
+    add("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="extra config override for every run (repeatable), e.g. --set train.grad_clip=0.5")
+    add("--nproc", type=int, default=1, help="ranks per run (default 1: plain python; N > 1: the deepspeed launcher)")
+    add("--ds-config", default="configs/ds/zero2.json", help="DeepSpeed JSON, relative to the repository root")
+    add("--out-root", default="runs/quality", help="run directories: OUT_ROOT/METHOD/{full,sweep_b1_d1,...}")
+    add("--json", required=True, metavar="PATH", help="results JSON (read first: finished methods skip)")
+    add("--plot", default=None, metavar="PATH", help="PNG of validation PPL against training tokens")
+    add("--keep-checkpoint", action="store_true", help="keep each run's final checkpoint in RUN_DIR/checkpoints "
+        "(the checkpoint settings are not part of the config a finished run is read back by)")
+    add("--force", action="store_true",
+        help="rerun methods that already have a result in the JSON, and runs finished in --out-root")
     args = p.parse_args(argv)
-    args.methods = split_names(args.methods)
-    args.lr_sweep = split_names(args.lr_sweep)
+    args.methods, args.lr_sweep = split_names(args.methods), split_names(args.lr_sweep)
     args.lr_scales = _parse_scales(args.lr_scales, "--lr-scales")
     args.dense_lr_scales = _parse_scales(args.dense_lr_scales, "--dense-lr-scales")
     args.branch_lr_scales = _parse_scales(args.branch_lr_scales, "--branch-lr-scales") \
