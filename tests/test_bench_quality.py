@@ -524,3 +524,29 @@ def test_a_run_recorded_before_the_logging_section_existed_is_read_back(bench, f
     config["data"]["seq_len"] += 1
     (spec.out_dir / "config.json").write_text(json.dumps(config))
     assert not quality_runs.finished_earlier(args, spec)
+
+
+def test_curves_csv_keeps_every_logged_step_exactly_and_a_diverged_value_reads_as_none(tmp_path):
+    """The CSV against the values written to TensorBoard by hand: the steps each tag logged (validation at fewer
+    steps than training), their float32 values exactly, a NaN kept as NaN and read into the JSON curve as None."""
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+    run_dir = tmp_path / "run"
+    writer = SummaryWriter(str(run_dir / "tb"))
+    train_loss = {1: 5.25, 2: 4.1, 3: float("nan")}
+    for step, value in train_loss.items():
+        writer.add_scalar("loss/train", value, step)
+        writer.add_scalar("time/step_s", 0.5, step)   # not a curve tag: left out
+    writer.add_scalar("loss/val_ppl", 80.5, 2)
+    writer.add_scalar("loss/val_ppl", float("nan"), 3)
+    writer.close()
+    by_tag = quality_runs.read_curves(run_dir)
+    assert (run_dir / "curves.csv").read_text().splitlines()[0] == "step,loss/train,loss/val_ppl"
+    assert set(by_tag) == {"loss/train", "loss/val_ppl"}
+    assert by_tag["loss/train"][1] == float(np.float32(5.25)) and by_tag["loss/train"][2] == float(np.float32(4.1))
+    assert math.isnan(by_tag["loss/train"][3]) and list(by_tag["loss/val_ppl"]) == [2, 3]
+    shutil.rmtree(run_dir / "tb")   # as docs/results keeps a run: the CSV alone
+    args = quality_runs.argparse.Namespace(micro_batch=2, seq_len=8)
+    spec = quality_runs.RunSpec("x", "dense_adamw", 3, 1, 1e-3, 3e-3, run_dir)
+    outcome = quality_runs.read_outcome(args, spec, 1, ["boom"], None)
+    assert outcome.curve == [[2 * 16, float(np.float32(80.5))], [3 * 16, None]]
