@@ -147,7 +147,7 @@ def test_a_slurm_task_runs_in_the_environment_slurm_gives_it(plan_tool, fake_dat
 
 def test_an_unfinished_attempt_is_cleared_before_its_run_is_submitted_again(plan_tool, fake_data, tmp_path):
     """A cancelled task leaves event files in its run directory; the retrained run must not append its curve to
-    them (read_curve reads every event file under tb/)."""
+    them (curves.csv is written from every event file under tb/)."""
     import contextlib
     plan = plan_tool.load_plan("paper_60m", ["methods=[chts24_1of4_row]", "backbone_lr_scales=[1]"])
     runs = plan_tool.stage_runs(plan, str(fake_data), tmp_path, 0, {})
