@@ -550,3 +550,14 @@ def test_curves_csv_keeps_every_logged_step_exactly_and_a_diverged_value_reads_a
     spec = quality_runs.RunSpec("x", "dense_adamw", 3, 1, 1e-3, 3e-3, run_dir)
     outcome = quality_runs.read_outcome(args, spec, 1, ["boom"], None)
     assert outcome.curve == [[2 * 16, float(np.float32(80.5))], [3 * 16, None]]
+
+
+def test_a_finished_run_moved_to_another_out_root_is_read_back_there(bench, fake_data, tmp_path):
+    """train.out_dir is no part of a run's config: runs copied into docs/results, or from another clone, match."""
+    argv = ["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40", "--json", str(tmp_path / "q")]
+    spec = quality_runs.full_spec(quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "a")]),
+                                  "chts24_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "a")]), spec)
+    moved = quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "b")])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert quality_runs.finished_earlier(moved, quality_runs.full_spec(moved, "chts24_1of4_row", 1.0, 1.0))
