@@ -1,16 +1,17 @@
-"""tools/bench_quality.py: an end-to-end comparison on a tiny prepared corpus (JSON shape, equal token counts,
+"""bench/bench_quality.py and bench/quality_runs.py: an end-to-end comparison on a tiny prepared corpus (JSON shape, equal token counts,
 plot, resumability), and its LR sweep, failure handling and reference ratios with the trainer replaced by a
 stand-in whose PPL is a known function of the learning rate."""
 
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rankpool import import_tool
+from bench import bench_quality, quality_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRAIN_LR = 3e-3   # TrainConfig.lr, the dense-side default that no preset overrides
@@ -18,7 +19,7 @@ DEFAULT_TRAIN_LR = 3e-3   # TrainConfig.lr, the dense-side default that no prese
 
 @pytest.fixture
 def bench():
-    return import_tool("bench_quality")
+    return bench_quality
 
 
 def preset_lr(method):
@@ -42,7 +43,7 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quali
         # Evaluations after steps 2 and 4 of 2 x 32 tokens each.
         assert [t for t, _ in entry["curve"]] == [128, 256]
         result = json.loads((runs / name / "full" / "result.json").read_text())
-        # The curve comes from TensorBoard, the final PPL from result.json: two paths to the same number.
+        # The curve comes from the logged scalars, the final PPL from result.json: two paths to the same number.
         assert entry["curve"][-1][1] == pytest.approx(entry["final_ppl"], rel=1e-5)
         assert entry["final_ppl"] == pytest.approx(math.exp(result["final/val_loss"]), rel=1e-5)
         assert 1.0 < entry["final_ppl"] < 400.0   # below a uniform guess over 300 pieces (+ slack for 4 steps)
@@ -67,15 +68,32 @@ def test_two_methods_share_token_counts_and_a_second_run_skips_both(bench, quali
         assert {k: v for k, v in entry.items() if k != "wall_s"} == \
             {k: v for k, v in payload["methods"][name].items() if k != "wall_s"}
 
+    # Each run keeps its curves as CSV beside result.json, the TensorBoard scalars at every logged step; a run
+    # directory without its event files (as docs/results keeps it) is read back from the CSV alone.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_dir = runs / "chts24_1of4_row" / "full"
+    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0}).Reload()
+    lines = (run_dir / "curves.csv").read_text().splitlines()
+    assert lines[0] == "step,loss/train,loss/val,loss/val_ppl,optim/grad_norm"
+    assert [int(line.split(",")[0]) for line in lines[1:]] == [e.step for e in events.Scalars("loss/train")]
+    assert [float(line.split(",")[1]) for line in lines[1:]] == [e.value for e in events.Scalars("loss/train")]
+    assert [float(line.split(",")[2]) for line in lines[1:] if line.split(",")[2]] == \
+        [e.value for e in events.Scalars("loss/val")]
+    shutil.rmtree(run_dir / "tb")
+    out_json.unlink()
+    assert bench.main(argv) == 0
+    assert json.loads(out_json.read_text())["methods"]["chts24_1of4_row"]["curve"] == \
+        payload["methods"]["chts24_1of4_row"]["curve"]
+
     # A run is read back only under its own config, and never with --force.
-    args = bench.parse_args(argv)
-    lr, dense_lr = bench.preset_lrs("dense_adamw", bench.base_overrides(args))
-    spec = bench.RunSpec("dense_adamw", "dense_adamw", 4, 2, lr, dense_lr, runs / "dense_adamw" / "full")
-    assert bench.finished_earlier(args, spec)
-    assert not bench.finished_earlier(args, bench.RunSpec(**{**vars(spec), "lr": 2 * lr}))
-    assert not bench.finished_earlier(args, bench.RunSpec(**{**vars(spec), "steps": 5}))
-    assert not bench.finished_earlier(bench.parse_args(argv + ["--seed", "1"]), spec)
-    assert not bench.finished_earlier(bench.parse_args(argv + ["--force"]), spec)
+    args = quality_runs.parse_args(argv)
+    lr, dense_lr = quality_runs.preset_lrs("dense_adamw", quality_runs.base_overrides(args))
+    spec = quality_runs.RunSpec("dense_adamw", "dense_adamw", 4, 2, lr, dense_lr, runs / "dense_adamw" / "full")
+    assert quality_runs.finished_earlier(args, spec)
+    assert not quality_runs.finished_earlier(args, quality_runs.RunSpec(**{**vars(spec), "lr": 2 * lr}))
+    assert not quality_runs.finished_earlier(args, quality_runs.RunSpec(**{**vars(spec), "steps": 5}))
+    assert not quality_runs.finished_earlier(quality_runs.parse_args(argv + ["--seed", "1"]), spec)
+    assert not quality_runs.finished_earlier(quality_runs.parse_args(argv + ["--force"]), spec)
 
 
 # ---- the comparison logic with a stand-in trainer -----------------------------------------------------------
@@ -87,12 +105,12 @@ def fake_trainer(bench, calls, best_lr_scale, failing=(), best_dense_scale=1.0):
     def train(args, run):
         calls.append(run)
         if run.method in failing:
-            return bench.RunOutcome(None, None, None, [], "exit code 1: boom", 0.1)
+            return quality_runs.RunOutcome(None, None, None, [], "exit code 1: boom", 0.1)
         b, d = run.lr / preset_lr(run.method), run.dense_lr / DEFAULT_TRAIN_LR
         ppl = 50.0 + 10.0 * abs(math.log2(b / best_lr_scale)) + 4.0 * abs(math.log2(d / best_dense_scale))
         tokens = args.micro_batch * args.seq_len
         curve = [[s * tokens, ppl] for s in range(run.eval_interval, run.steps + 1, run.eval_interval)]
-        return bench.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
+        return quality_runs.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
     return train
 
 
@@ -165,7 +183,7 @@ def test_the_branch_rate_is_a_third_sweep_axis_for_methods_with_a_branch_only(be
         ppl = 50.0 + 10.0 * abs(math.log2(b)) + 4.0 * abs(math.log2(d / 2)) + 3.0 * abs(math.log2(r / 0.25))
         tokens = args.micro_batch * args.seq_len
         curve = [[s * tokens, ppl] for s in range(run.eval_interval, run.steps + 1, run.eval_interval)]
-        return bench.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
+        return quality_runs.RunOutcome(ppl, math.log(ppl), math.log(ppl), curve, None, 0.1)
     monkeypatch.setattr(bench, "train", train)
     out = tmp_path / "q.json"
     assert bench.main(["--data", str(fake_data), "--methods", "chtsnm_nobranch_1of4_row,chtsnm_1of4_row",
@@ -175,7 +193,7 @@ def test_the_branch_rate_is_a_third_sweep_axis_for_methods_with_a_branch_only(be
     plain = [c for c in calls if c.method == "chtsnm_nobranch_1of4_row"]
     branch = [c for c in calls if c.method == "chtsnm_1of4_row"]
     assert len(plain) == 9 and all(c.branch_lr is None for c in plain)         # no branch: no third axis
-    assert "method.branch_lr" not in " ".join(bench.run_overrides(bench.parse_args(
+    assert "method.branch_lr" not in " ".join(quality_runs.run_overrides(quality_runs.parse_args(
         ["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40", "--json", str(out)]),
         plain[0]))
     assert len(branch) == 27
@@ -185,7 +203,7 @@ def test_the_branch_rate_is_a_third_sweep_axis_for_methods_with_a_branch_only(be
     # Independent of the point's dense rate: the same three branch rates at d4.
     assert {c.branch_lr for c in branch if c.dense_lr == pytest.approx(4 * DEFAULT_TRAIN_LR)} == \
         {c.branch_lr for c in branch[:3]}
-    assert f"method.branch_lr={branch[1].branch_lr!r}" in bench.run_overrides(bench.parse_args(
+    assert f"method.branch_lr={branch[1].branch_lr!r}" in quality_runs.run_overrides(quality_runs.parse_args(
         ["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40", "--json", str(out)]), branch[1])
     entry = json.loads(out.read_text())["methods"]["chtsnm_1of4_row"]
     sweep = entry["lr_sweep"]
@@ -261,7 +279,7 @@ def record_finished_run(bench, args, spec):
     """Leave in spec.out_dir what a finished run of `spec` leaves: its resolved config and a result."""
     from distsparse.config import config_to_dict, load_config
     spec.out_dir.mkdir(parents=True)
-    config = config_to_dict(load_config(None, bench.run_overrides(args, spec)))
+    config = config_to_dict(load_config(None, quality_runs.run_overrides(args, spec)))
     (spec.out_dir / "config.json").write_text(json.dumps(config))
     (spec.out_dir / "result.json").write_text(json.dumps({"step": spec.steps, "final/val_ppl": 42.0}))
 
@@ -274,15 +292,15 @@ def test_a_finished_run_of_another_config_is_refused_before_any_training_naming_
     argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
             "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1", "--dense-lr-scales", "1,2", "--sweep-steps", "40",
             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]
-    args = bench.parse_args(argv)
-    specs = bench.sweep_specs(args, "chts24_1of4_row")
+    args = quality_runs.parse_args(argv)
+    specs = quality_runs.sweep_specs(args, "chts24_1of4_row")
     # The b1 d2 directory holds a finished run at another dense-side rate and seed; b1 d1 one at its own config,
     # and dense_adamw's an interrupted attempt (no result.json): neither of those two is in the way.
     other = specs[(1.0, 2.0)]
-    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]),
-                        bench.RunSpec(**{**vars(other), "dense_lr": 3 * other.dense_lr}))
+    record_finished_run(bench, quality_runs.parse_args(argv + ["--seed", "7"]),
+                        quality_runs.RunSpec(**{**vars(other), "dense_lr": 3 * other.dense_lr}))
     record_finished_run(bench, args, specs[(1.0, 1.0)])
-    interrupted = bench.full_spec(args, "dense_adamw", 1.0, 1.0).out_dir
+    interrupted = quality_runs.full_spec(args, "dense_adamw", 1.0, 1.0).out_dir
     interrupted.mkdir(parents=True)
     (interrupted / "config.json").write_text("{}")
 
@@ -331,10 +349,10 @@ def fake_popen(bench, launched):
 def test_the_trainer_removes_an_interrupted_attempt_reads_back_its_own_config_and_refuses_another(
         bench, fake_data, tmp_path, monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr(bench.subprocess, "Popen", fake_popen(bench, launched))
+    monkeypatch.setattr(quality_runs.subprocess, "Popen", fake_popen(bench, launched))
     argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path / "runs")]
-    interrupted = bench.full_spec(bench.parse_args(argv), "dense_adamw", 1.0, 1.0).out_dir
+    interrupted = quality_runs.full_spec(quality_runs.parse_args(argv), "dense_adamw", 1.0, 1.0).out_dir
     interrupted.mkdir(parents=True)
     (interrupted / "stale").write_text("event file of a killed attempt")
     (interrupted / "config.json").write_text("{}")
@@ -356,12 +374,12 @@ def test_the_trainer_removes_an_interrupted_attempt_reads_back_its_own_config_an
 def test_the_full_run_after_a_short_sweep_is_refused_when_its_rates_are_known_keeping_the_json(
         bench, fake_data, tmp_path, monkeypatch, capsys):
     launched = []
-    monkeypatch.setattr(bench.subprocess, "Popen", fake_popen(bench, launched))
+    monkeypatch.setattr(quality_runs.subprocess, "Popen", fake_popen(bench, launched))
     argv = ["--data", str(fake_data), "--methods", "dense_adamw,chts24_1of4_row", "--steps", "40",
             "--lr-sweep", "chts24_1of4_row", "--lr-scales", "1", "--dense-lr-scales", "0.5,1", "--sweep-steps", "10",
             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path / "runs")]
-    args = bench.parse_args(argv)
-    full = bench.full_spec(args, "chts24_1of4_row", 1.0, 1.0)   # the sweep picks d0.5 (lower train.lr, lower PPL)
+    args = quality_runs.parse_args(argv)
+    full = quality_runs.full_spec(args, "chts24_1of4_row", 1.0, 1.0)   # the sweep picks d0.5 (lower train.lr, lower PPL)
     record_finished_run(bench, args, full)
     assert bench.main(argv) == 2
     assert str(full.out_dir) in capsys.readouterr().err and len(launched) == 3   # dense, then the two points
@@ -370,15 +388,15 @@ def test_the_full_run_after_a_short_sweep_is_refused_when_its_rates_are_known_ke
 
 
 def test_a_key_one_config_lacks_is_named_even_against_none(bench, fake_data, tmp_path):
-    args = bench.parse_args(["--data", str(fake_data), "--methods", "dense_adamw", "--steps", "40",
+    args = quality_runs.parse_args(["--data", str(fake_data), "--methods", "dense_adamw", "--steps", "40",
                              "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
-    spec = bench.full_spec(args, "dense_adamw", 1.0, 1.0)
+    spec = quality_runs.full_spec(args, "dense_adamw", 1.0, 1.0)
     record_finished_run(bench, args, spec)
     config = json.loads((spec.out_dir / "config.json").read_text())
     config["train"]["new_option"] = None   # a run of a checkout with one more config field
     (spec.out_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(bench.RunInTheWay, match="train.new_option: None there, '<absent>' here"):
-        bench.refuse_to_replace(args, spec)
+    with pytest.raises(quality_runs.RunInTheWay, match="train.new_option: None there, '<absent>' here"):
+        quality_runs.refuse_to_replace(args, spec)
 
 
 @pytest.mark.parametrize("recorded, reused", [(None, True), (3e-3, False)])
@@ -386,19 +404,19 @@ def test_a_run_recorded_before_the_branch_rate_existed_reads_as_one_on_train_lr(
                                                                                recorded, reused):
     """config.json of a checkout without method.branch_lr / branch_weight_decay (issue 28) is the same config as
     these keys at null (one dense group); a run that had its own branch rate is another config."""
-    args = bench.parse_args(["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40",
+    args = quality_runs.parse_args(["--data", str(fake_data), "--methods", "chtsnm_1of4_row", "--steps", "40",
                              "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
-    spec = bench.full_spec(args, "chtsnm_1of4_row", 1.0, 1.0)
+    spec = quality_runs.full_spec(args, "chtsnm_1of4_row", 1.0, 1.0)
     record_finished_run(bench, args, spec)
     config = json.loads((spec.out_dir / "config.json").read_text())
     del config["method"]["branch_lr"], config["method"]["branch_weight_decay"]
     if recorded is not None:
         config["method"]["branch_lr"] = recorded
     (spec.out_dir / "config.json").write_text(json.dumps(config))
-    assert bench.finished_earlier(args, spec) is reused
+    assert quality_runs.finished_earlier(args, spec) is reused
     if not reused:
-        with pytest.raises(bench.RunInTheWay, match="method.branch_lr: 0.003 there, None here"):
-            bench.refuse_to_replace(args, spec)
+        with pytest.raises(quality_runs.RunInTheWay, match="method.branch_lr: 0.003 there, None here"):
+            quality_runs.refuse_to_replace(args, spec)
 
 
 def test_only_methods_still_to_train_are_checked_and_other_errors_are_not_swallowed(bench, fake_data, tmp_path,
@@ -409,15 +427,15 @@ def test_only_methods_still_to_train_are_checked_and_other_errors_are_not_swallo
             "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)]
     assert bench.main(argv + ["--methods", "chts24_1of4_row"]) == 0
     # dense_adamw's full run is in the way: refused before chts24 (done) or anything else runs ...
-    full = bench.full_spec(bench.parse_args(argv), "dense_adamw", 1.0, 1.0)
-    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]), full)
+    full = quality_runs.full_spec(quality_runs.parse_args(argv), "dense_adamw", 1.0, 1.0)
+    record_finished_run(bench, quality_runs.parse_args(argv + ["--seed", "7"]), full)
     calls.clear()
     assert bench.main(argv) == 2
     assert calls == [] and str(full.out_dir) in capsys.readouterr().err
     # ... while another config in chts24's directory does not block chts24, which is in the JSON already.
     (full.out_dir / "result.json").unlink()
-    chts24 = bench.full_spec(bench.parse_args(argv), "chts24_1of4_row", 1.0, 1.0)
-    record_finished_run(bench, bench.parse_args(argv + ["--seed", "7"]), chts24)
+    chts24 = quality_runs.full_spec(quality_runs.parse_args(argv), "chts24_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, quality_runs.parse_args(argv + ["--seed", "7"]), chts24)
     assert bench.main(argv) == 0 and [c.method for c in calls] == ["dense_adamw"]
 
     def broken(args, run):
@@ -461,13 +479,13 @@ def test_runs_record_data_inside_the_checkout_relative_to_it_so_another_checkout
                                                                                                   monkeypatch):
     """Finished runs committed from one clone must match the configs another clone resolves (the runs' working
     directory is the repository root, so the relative path names the same data)."""
-    inside = bench.ROOT / "data" / "some_corpus"
-    args = bench.argparse.Namespace(data=str(inside))
-    assert bench.data_dir(args) == "data/some_corpus"
-    monkeypatch.chdir(bench.ROOT / "tools")
-    assert bench.data_dir(bench.argparse.Namespace(data="../data/some_corpus")) == "data/some_corpus"
-    assert bench.data_dir(bench.argparse.Namespace(data=str(tmp_path))) == str(tmp_path.resolve())
-    overrides = bench.base_overrides(bench.argparse.Namespace(
+    inside = quality_runs.ROOT / "data" / "some_corpus"
+    args = quality_runs.argparse.Namespace(data=str(inside))
+    assert quality_runs.data_dir(args) == "data/some_corpus"
+    monkeypatch.chdir(quality_runs.ROOT / "bench")
+    assert quality_runs.data_dir(quality_runs.argparse.Namespace(data="../data/some_corpus")) == "data/some_corpus"
+    assert quality_runs.data_dir(quality_runs.argparse.Namespace(data=str(tmp_path))) == str(tmp_path.resolve())
+    overrides = quality_runs.base_overrides(quality_runs.argparse.Namespace(
         data=str(inside), model="tiny", seq_len=8, micro_batch=2, nproc=1, seed=0, eval_samples=0,
         warmup_steps=None, overrides=[]))
     assert "data.dir=data/some_corpus" in overrides
@@ -494,15 +512,52 @@ def test_keep_checkpoint_keeps_the_final_checkpoint_and_a_run_is_read_back_with_
 def test_a_run_recorded_before_the_logging_section_existed_is_read_back(bench, fake_data, tmp_path):
     """Checkpoint and logging settings change no number: a config.json without `logging` (before W&B) or with
     other checkpoint settings is the same run; a change in a section that does change numbers is not."""
-    args = bench.parse_args(["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40",
+    args = quality_runs.parse_args(["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40",
                              "--json", str(tmp_path / "q.json"), "--out-root", str(tmp_path)])
-    spec = bench.full_spec(args, "chts24_1of4_row", 1.0, 1.0)
+    spec = quality_runs.full_spec(args, "chts24_1of4_row", 1.0, 1.0)
     record_finished_run(bench, args, spec)
     config = json.loads((spec.out_dir / "config.json").read_text())
     del config["logging"]
     config["checkpoint"]["interval"] = 7
     (spec.out_dir / "config.json").write_text(json.dumps(config))
-    assert bench.finished_earlier(args, spec)
+    assert quality_runs.finished_earlier(args, spec)
     config["data"]["seq_len"] += 1
     (spec.out_dir / "config.json").write_text(json.dumps(config))
-    assert not bench.finished_earlier(args, spec)
+    assert not quality_runs.finished_earlier(args, spec)
+
+
+def test_curves_csv_keeps_every_logged_step_exactly_and_a_diverged_value_reads_as_none(tmp_path):
+    """The CSV against the values written to TensorBoard by hand: the steps each tag logged (validation at fewer
+    steps than training), their float32 values exactly, a NaN kept as NaN and read into the JSON curve as None."""
+    import numpy as np
+    from torch.utils.tensorboard import SummaryWriter
+    run_dir = tmp_path / "run"
+    writer = SummaryWriter(str(run_dir / "tb"))
+    train_loss = {1: 5.25, 2: 4.1, 3: float("nan")}
+    for step, value in train_loss.items():
+        writer.add_scalar("loss/train", value, step)
+        writer.add_scalar("time/step_s", 0.5, step)   # not a curve tag: left out
+    writer.add_scalar("loss/val_ppl", 80.5, 2)
+    writer.add_scalar("loss/val_ppl", float("nan"), 3)
+    writer.close()
+    by_tag = quality_runs.read_curves(run_dir)
+    assert (run_dir / "curves.csv").read_text().splitlines()[0] == "step,loss/train,loss/val_ppl"
+    assert set(by_tag) == {"loss/train", "loss/val_ppl"}
+    assert by_tag["loss/train"][1] == float(np.float32(5.25)) and by_tag["loss/train"][2] == float(np.float32(4.1))
+    assert math.isnan(by_tag["loss/train"][3]) and list(by_tag["loss/val_ppl"]) == [2, 3]
+    shutil.rmtree(run_dir / "tb")   # as docs/results keeps a run: the CSV alone
+    args = quality_runs.argparse.Namespace(micro_batch=2, seq_len=8)
+    spec = quality_runs.RunSpec("x", "dense_adamw", 3, 1, 1e-3, 3e-3, run_dir)
+    outcome = quality_runs.read_outcome(args, spec, 1, ["boom"], None)
+    assert outcome.curve == [[2 * 16, float(np.float32(80.5))], [3 * 16, None]]
+
+
+def test_a_finished_run_moved_to_another_out_root_is_read_back_there(bench, fake_data, tmp_path):
+    """train.out_dir is no part of a run's config: runs copied into docs/results, or from another clone, match."""
+    argv = ["--data", str(fake_data), "--methods", "chts24_1of4_row", "--steps", "40", "--json", str(tmp_path / "q")]
+    spec = quality_runs.full_spec(quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "a")]),
+                                  "chts24_1of4_row", 1.0, 1.0)
+    record_finished_run(bench, quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "a")]), spec)
+    moved = quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "b")])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert quality_runs.finished_earlier(moved, quality_runs.full_spec(moved, "chts24_1of4_row", 1.0, 1.0))

@@ -1,4 +1,4 @@
-"""tools/quality_plan.py (bench_quality --plan): the shipped 60M plan's stages and refusals, the stage logic on
+"""bench/quality_plan.py (bench_quality --plan): the shipped 60M plan's stages and refusals, the stage logic on
 known PPLs, and the whole plan end to end on tiny through submitit's local executor, read back on a second call."""
 
 import json
@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from rankpool import import_tool
+from bench import bench_quality, quality_plan, quality_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def plan_tool():
-    return import_tool("quality_plan")
+    return quality_plan
 
 
 
@@ -25,7 +25,7 @@ def test_the_paper_plan_is_the_issues_protocol(plan_tool, fake_data, tmp_path):
     first = plan_tool.stage_runs(plan, str(fake_data), tmp_path, 0, {})
     assert len(first) == 6 * 4
     run = first[0]
-    cfg = plan_tool.bench_quality._resolved_config(run.args, run.spec)
+    cfg = quality_runs._resolved_config(run.args, run.spec)
     # One GPU per run: micro-batch x accumulation = the global batch, full length, seed 0.
     assert cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"] == 512
     assert (cfg["train"]["steps"], cfg["train"]["warmup_steps"], cfg["train"]["seed"]) == (10000, 1000, 0)
@@ -41,7 +41,7 @@ def test_the_paper_plan_is_the_issues_protocol(plan_tool, fake_data, tmp_path):
 def test_stages_follow_the_best_seed0_point(plan_tool, fake_data, tmp_path):
     plan = plan_tool.load_plan("paper_60m", ["methods=[chts24_1of4_row, chtsnm_1of4_row]", "seeds=[1, 2]"])
     first = plan_tool.stage_runs(plan, str(fake_data), tmp_path, 0, {})
-    bq = plan_tool.bench_quality
+    bq = quality_runs
     # PPL 50 + |log2(b / 0.5)| for chts24, 40 + |log2(b / 2)| for chtsnm; one diverged point is never best.
     def outcome(run, best_b, base):
         b = run.point[0]
@@ -96,7 +96,7 @@ def test_the_plan_runs_end_to_end_on_tiny_and_a_second_call_trains_nothing(plan_
     root = tmp_path / "plan"
     argv = ["--plan", "paper_60m", "--data", str(quality_corpus), "--root", str(root), "--executor", "local",
             "--time", "20", *[a for s in TINY_PLAN for a in ("--plan-set", s)]]
-    bench = import_tool("bench_quality")
+    bench = bench_quality
     assert bench.main(argv) == 0, capsys.readouterr().err
     results = {p.parent.relative_to(root).as_posix(): json.loads(p.read_text())["final/val_ppl"]
                for p in root.glob("seed*/*/*/result.json")}
@@ -147,7 +147,7 @@ def test_a_slurm_task_runs_in_the_environment_slurm_gives_it(plan_tool, fake_dat
 
 def test_an_unfinished_attempt_is_cleared_before_its_run_is_submitted_again(plan_tool, fake_data, tmp_path):
     """A cancelled task leaves event files in its run directory; the retrained run must not append its curve to
-    them (read_curve reads every event file under tb/)."""
+    them (curves.csv is written from every event file under tb/)."""
     import contextlib
     plan = plan_tool.load_plan("paper_60m", ["methods=[chts24_1of4_row]", "backbone_lr_scales=[1]"])
     runs = plan_tool.stage_runs(plan, str(fake_data), tmp_path, 0, {})

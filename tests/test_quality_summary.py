@@ -1,4 +1,4 @@
-"""tools/quality_summary.py on run directories laid out as bench_quality leaves them, with PPLs chosen so the best
+"""bench/quality_summary.py on run directories laid out as bench_quality leaves them, with PPLs chosen so the best
 pair, its interiority, the seed statistics and the orderings are known by hand."""
 
 import json
@@ -7,14 +7,14 @@ import re
 
 import pytest
 
-from rankpool import import_tool
+from bench import quality_summary
 
 STEPS = 1500
 
 
 @pytest.fixture
 def tool():
-    return import_tool("quality_summary")
+    return quality_summary
 
 
 def write_run(root, method, seed, b, d, ppl, *, steps=STEPS, finished_step=None, preset=None, r=None):

@@ -1,11 +1,11 @@
-"""tools/update_readme_results.py on two small fake benchmark files and a fake README: the section is appended
+"""bench/update_readme_results.py on two small fake benchmark files and a fake README: the section is appended
 when the markers are missing, replaced in place otherwise, leaves the rest of the README alone, names each
 file's machine and prints every figure."""
 
 import json
 
 import pytest
-from rankpool import import_tool
+from bench import update_readme_results
 
 CPU = {"cpu": "Fake CPU 9000", "cores": 2, "torch": "2.13.0", "deepspeed": "0.19.8", "gpu": None}
 GPU = {"cpu": "Other CPU", "cores": 16, "torch": "2.13.0", "deepspeed": "0.19.8", "gpu": "NVIDIA H200", "cuda": "12.8"}
@@ -13,7 +13,7 @@ GPU = {"cpu": "Other CPU", "cores": 16, "torch": "2.13.0", "deepspeed": "0.19.8"
 
 @pytest.fixture
 def tool():
-    return import_tool("update_readme_results")
+    return update_readme_results
 
 
 @pytest.fixture
