@@ -47,14 +47,19 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def resolve_grad_accum_mode(mode: str, *, replicated: bool, world_size: int, micro_batches: int) -> str:
-    """`full` or `sharded` for engine.grad_accum_mode `mode` (module docstring: the rule behind `auto`)."""
+def check_grad_accum_mode(mode: str, *, replicated: bool) -> None:
+    """The refusals of engine.grad_accum_mode `mode`, for the config at load time and the engine alike."""
     if mode not in GRAD_ACCUM_MODES:
         raise ValueError(f"engine.grad_accum_mode: got {mode!r}; allowed: {', '.join(GRAD_ACCUM_MODES)}")
+    if replicated and mode == "sharded":
+        raise ValueError("engine.grad_accum_mode: got 'sharded' with engine.mode 'replicated'; allowed: auto or "
+                         "full (replicated mode gives every rank every gradient)")
+
+
+def resolve_grad_accum_mode(mode: str, *, replicated: bool, world_size: int, micro_batches: int) -> str:
+    """`full` or `sharded` for engine.grad_accum_mode `mode` (module docstring: the rule behind `auto`)."""
+    check_grad_accum_mode(mode, replicated=replicated)
     if replicated:
-        if mode == "sharded":
-            raise ValueError("engine.grad_accum_mode: got 'sharded' with engine.mode 'replicated'; allowed: auto or "
-                             "full (replicated mode gives every rank every gradient)")
         return "full"
     if mode != "auto":
         return mode
