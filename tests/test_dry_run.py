@@ -134,7 +134,7 @@ def data_dir(tmp_path_factory):
 @pytest.mark.parametrize("model", ["350m", "1b"])
 def test_dry_run_prints_the_table_at_2_8_and_64_ranks_and_starts_no_process_group(model, data_dir, capsys,
                                                                                    monkeypatch):
-    from distsparse import launch_env
+    from distsparse.cli import launch_env
     from distsparse.cli.pretrain import main
 
     def refuse(*_):
