@@ -35,7 +35,8 @@ from typing import Any
 from bench import quality_runs, quality_summary
 from bench.quality_runs import RunInTheWay, RunOutcome, RunSpec, finished_earlier, point_name, refuse_to_replace
 from distsparse.cli.slurm import parse_time
-from distsparse.config import build_settings, parse_override, read_yaml_file, shipped_or_given
+from distsparse.config import shipped_or_given
+from distsparse.strict_config import build_settings, parse_override, read_yaml_file
 
 STAGES = ("backbone sweep", "branch sweep", "seeds")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from distsparse.config import RESULT_NEUTRAL_SECTIONS, config_to_dict, load_config, with_added_keys
-from distsparse.launch_env import free_port
+from distsparse.cli.launch_env import free_port
 from distsparse.utils import config_differences
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,8 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.config import load_config
-from distsparse.models import PROJECTIONS, build_model, projection_names
+from distsparse.layers.llama_projections import PROJECTIONS
+from distsparse.models import build_model, projection_names
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir
 

@@ -134,7 +134,7 @@ def data_dir(tmp_path_factory):
 @pytest.mark.parametrize("model", ["350m", "1b"])
 def test_dry_run_prints_the_table_at_2_8_and_64_ranks_and_starts_no_process_group(model, data_dir, capsys,
                                                                                    monkeypatch):
-    from distsparse import launch_env
+    from distsparse.cli import launch_env
     from distsparse.cli.pretrain import main
 
     def refuse(*_):
@@ -270,7 +270,7 @@ def test_dry_run_is_checked_at_the_planned_world_only(data_dir, capsys, monkeypa
 def test_a_dry_run_plans_a_run_whose_data_is_not_here_from_the_config_alone(tmp_path, capsys, monkeypatch):
     """A laptop planning a 64-rank cluster run: no data.dir here, the vocabulary stated; the batch plan is still
     checked at the planned world, and without a vocabulary the plan is refused naming model.vocab_size."""
-    from distsparse import launch_env
+    from distsparse.cli import launch_env
     from distsparse.cli.pretrain import main
 
     monkeypatch.setattr(launch_env, "start", lambda *_: pytest.fail("--dry-run started the process group"))

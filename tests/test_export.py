@@ -135,8 +135,9 @@ def _llama_from_checkpoint(ckpt):
     """An empty LlamaForCausalLM of the checkpoint's shape, built from its manifest alone."""
     from transformers import LlamaForCausalLM
     from distsparse.checkpoint.manifest import read_manifest
-    from distsparse.config import Config, build_dataclass
+    from distsparse.config import Config
     from distsparse.models import llama_config
+    from distsparse.strict_config import build_dataclass
     manifest = read_manifest(Path(ckpt))
     cfg = build_dataclass(Config, manifest["config"], "")
     return LlamaForCausalLM(llama_config(cfg.model, manifest["vocab_size"])).eval()

@@ -1,4 +1,4 @@
-"""distsparse/launch_env.py (issue 15 item 2, DESIGN decision 17): every launcher's environment resolves to one
+"""distsparse/cli/launch_env.py (issue 15 item 2, DESIGN decision 17): every launcher's environment resolves to one
 rank/world/local-rank record, srun alone forms one world, an unplaceable multi-task launch is refused with a
 message that says how to launch, and the GPU is LOCAL_RANK modulo the visible devices.
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from distsparse.launch_env import (PORT_MIN, PORT_SPAN, LaunchEnv, LaunchError, expand_nodelist, free_port,
-                                   port_for_job, resolve, tasks_on_node)
 from distsparse.checkpoint import CheckpointManager
+from distsparse.cli.launch_env import (PORT_MIN, PORT_SPAN, LaunchEnv, LaunchError, expand_nodelist, free_port,
+                                       port_for_job, resolve, tasks_on_node)
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent

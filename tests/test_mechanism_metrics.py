@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from distsparse.config import load_config
+from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.layers.projection import SparseProjection
 from distsparse.memory_estimate import backbone_analytic, backbone_matrices
-from distsparse.models import PROJECTIONS, build_model
+from distsparse.models import build_model
 from distsparse.train.branch_metrics import BranchProbe
 from distsparse.train.ds_config import build_ds_config
 from synthetic_data import make_data_dir

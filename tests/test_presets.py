@@ -6,8 +6,9 @@ import re
 import pytest
 import torch
 
-from distsparse.config import CONFIG_ROOT, load_config, read_yaml
+from distsparse.config import CONFIG_ROOT, load_config
 from distsparse.models import backbone_modules, build_model
+from distsparse.strict_config import read_yaml
 
 PRESETS = sorted(p.stem for p in (CONFIG_ROOT / "method").glob("*.yaml"))
 # A paper appendix, table or section (App. H.4, Table A6, s4.3).

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distsparse.config import load_config
-from distsparse.models import PROJECTIONS
+from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.nm import kept_index, scatter_kept
 from distsparse.optim.engine import MatrixEngine
 from distsparse.train.ds_config import build_ds_config

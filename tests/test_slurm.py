@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from distsparse.checkpoint import CheckpointManager
-from distsparse.launch_env import free_port
-from distsparse.train.trainer import TrainResult
 from distsparse.cli import pretrain, slurm
+from distsparse.cli.launch_env import free_port
+from distsparse.train.trainer import TrainResult
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ vocabulary (32000 for the named sizes).
 
     python tools/gpu_train_check.py --out DIR --json check.json [--model 60m] [--steps 30] [--save-at 15] \\
         [key=value ...]        # e.g. engine.force_collectives=true
-Launch: plain python (a world of one), or any launcher distsparse/launch_env.py knows; rank 0 writes the JSON.
+Launch: plain python (a world of one), or any launcher distsparse/cli/launch_env.py knows; rank 0 writes the JSON.
 Exit code 0 when the continuation is bit-identical, 1 when not, 2 for bad arguments.
 """
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # read when cuBLAS starts, at the first GEMM
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    from distsparse import launch_env
+    from distsparse.cli import launch_env
     from distsparse.train.ds_config import build_ds_config, resolve_dtype
     env = launch_env.resolve_here()
     device = launch_env.start(env)

@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from distsparse.config import Config, build_dataclass
+from distsparse.config import Config
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.checkpoint.files import unflatten_states
 from distsparse.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from distsparse.checkpoint.manifest import MANIFEST, CheckpointError, deepspeed_file
+from distsparse.strict_config import build_dataclass
 
 DENSE_STATE = "dense_state.safetensors"
 REGISTRY = "registry.safetensors"

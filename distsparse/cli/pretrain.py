@@ -1,7 +1,7 @@
 """Entry point: `deepspeed launch/pretrain.py --ds_config configs/ds/zero2.json --config X.yaml [key=value ...]`.
 
 Also runs under `torchrun`, as one of `srun`'s tasks, inside launch/slurm.py's jobs and under plain `python` (one
-process); distsparse/launch_env.py tells them apart and refuses a multi-task launch it cannot place. Parses and
+process); distsparse/cli/launch_env.py tells them apart and refuses a multi-task launch it cannot place. Parses and
 validates everything before any process group starts, then hands the run to the trainer (torchtitan's train.py
 shape).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from distsparse import launch_env
+from distsparse.cli import launch_env
 from distsparse.config import config_to_dict, load_config
 from distsparse.train.ds_config import build_ds_config
 from distsparse.train.validate import validate, validate_without_data

@@ -20,7 +20,7 @@ time the DeepSpeed JSON is checked for both answers (the local executor: for thi
 
 Inside a `tasks` job (research/pretraining_ecosystem.md s4; DESIGN decisions 14, 17):
 - `TorchDistributedEnvironment().export(set_cuda_visible_devices=False)` sets RANK, WORLD_SIZE, LOCAL_RANK,
-  MASTER_ADDR, MASTER_PORT; distsparse/launch_env.py reads them back and selects the GPU LOCAL_RANK modulo the
+  MASTER_ADDR, MASTER_PORT; distsparse/cli/launch_env.py reads them back and selects the GPU LOCAL_RANK modulo the
   visible devices (one GPU per task or all GPUs per task both work). DeepSpeed initializes from them.
 - `checkpoint.resume=auto` is forced: the first run starts fresh (no checkpoint yet), a requeued one resumes
   from the newest complete checkpoint under the run's checkpoint directory.
@@ -74,7 +74,7 @@ import psutil   # a DeepSpeed dependency
 import submitit
 import yaml
 
-from distsparse import launch_env
+from distsparse.cli import launch_env
 from distsparse.config import Config, config_to_dict, load_config
 from distsparse.train.ds_config import complete_ds_config, read_ds_json
 from distsparse.train.validate import validate

@@ -1,9 +1,9 @@
 """LLaMA models with sparse backbones."""
 
 from distsparse.models.build import (
-    PROJECTIONS, backbone_modules, backbone_param, branch_rank, build_model, build_on_meta, llama_config,
+    backbone_modules, backbone_param, branch_rank, build_model, build_on_meta, llama_config,
     parameter_counts, projection_names, sparsify,
 )
 
-__all__ = ["PROJECTIONS", "backbone_modules", "backbone_param", "branch_rank", "build_model", "build_on_meta",
+__all__ = ["backbone_modules", "backbone_param", "branch_rank", "build_model", "build_on_meta",
            "llama_config", "parameter_counts", "projection_names", "sparsify"]

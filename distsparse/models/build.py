@@ -17,11 +17,11 @@ from distsparse.config import MethodConfig, ModelConfig, check_backbone_shapes
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.branches import build_branch, rank_for_budget
 from distsparse.layers.dense_latent import DenseLatentLinear
+from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.projection import SparseProjection, backbone_core
 from distsparse.utils import stable_seed
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 REFERENCE_VOCAB = 32000   # branch budgets and reported dense counts use the paper's vocabulary
 
 

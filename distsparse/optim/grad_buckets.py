@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distsparse.layers.llama_projections import PROJECTIONS
+
 ALIGN = 128                  # segment / shard length alignment (elements)
 GRAD_ACCUM_MODES = ("auto", "full", "sharded")
 BUCKET_BYTES = 16 << 20      # sharded mode: fp32 staging bytes of one bucket (a larger matrix is a bucket alone)
@@ -45,14 +47,19 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def resolve_grad_accum_mode(mode: str, *, replicated: bool, world_size: int, micro_batches: int) -> str:
-    """`full` or `sharded` for engine.grad_accum_mode `mode` (module docstring: the rule behind `auto`)."""
+def check_grad_accum_mode(mode: str, *, replicated: bool) -> None:
+    """The refusals of engine.grad_accum_mode `mode`, for the config at load time and the engine alike."""
     if mode not in GRAD_ACCUM_MODES:
         raise ValueError(f"engine.grad_accum_mode: got {mode!r}; allowed: {', '.join(GRAD_ACCUM_MODES)}")
+    if replicated and mode == "sharded":
+        raise ValueError("engine.grad_accum_mode: got 'sharded' with engine.mode 'replicated'; allowed: auto or "
+                         "full (replicated mode gives every rank every gradient)")
+
+
+def resolve_grad_accum_mode(mode: str, *, replicated: bool, world_size: int, micro_batches: int) -> str:
+    """`full` or `sharded` for engine.grad_accum_mode `mode` (module docstring: the rule behind `auto`)."""
+    check_grad_accum_mode(mode, replicated=replicated)
     if replicated:
-        if mode == "sharded":
-            raise ValueError("engine.grad_accum_mode: got 'sharded' with engine.mode 'replicated'; allowed: auto or "
-                             "full (replicated mode gives every rank every gradient)")
         return "full"
     if mode != "auto":
         return mode
@@ -68,8 +75,6 @@ def backward_order(names) -> list[str]:
     tools derive it whatever order the names come in): deepest layer first, numbers compared as numbers, and
     within a layer LLaMA's projections in reverse forward order (down, up, gate, o, v, k, q); names without a
     known projection come last within their layer, in reverse name order."""
-    from distsparse.models import PROJECTIONS   # here, not at the top: distsparse.models imports the config
-
     def key(name: str) -> tuple:   # elements (kind, number, text): comparable across names of any shape
         parts = re.split(r"(\d+)", name)
         prefix = tuple((1, int(p), "") if p.isdigit() else (0, 0, p) for p in parts[:-1])

@@ -7,7 +7,7 @@ import torch
 
 from distsparse import dist as ddist
 from distsparse.config import TopologyConfig
-from distsparse.models import PROJECTIONS
+from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.nm import NMMeta
 from distsparse.optim.engine import RefreshFn
 from distsparse.topology import (

@@ -101,7 +101,7 @@ def build_matrix_engine(cfg: Config, backbone: dict[str, torch.nn.Module], group
 
 def deepspeed_device_args() -> SimpleNamespace | None:
     """DeepSpeed places the model on CUDA device LOCAL_RANK unless told otherwise, an invalid ordinal where a cluster
-    binds one GPU per task: hand it the device the launcher selected (distsparse.launch_env)."""
+    binds one GPU per task: hand it the device the launcher selected (distsparse.cli.launch_env)."""
     return SimpleNamespace(device_rank=torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
