@@ -182,6 +182,14 @@ class Trainer:
         """Optimizer step `taken` (1-based) logs: the norm, the rule's statistics and the phase times."""
         return taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
 
+    def seek(self, step: int) -> None:
+        """Take the next optimizer step as step `step` + 1 of the schedules (lr, topology refresh, penalties) without
+        training the steps between: benchmarks time one step at a chosen point of a run (bench/train.py: a refresh
+        step at T_end / 2). Model, optimizer state and data order stay as they are."""
+        if not 0 <= step < self.cfg.train.steps:
+            raise ValueError(f"step: got {step}; allowed: 0 .. {self.cfg.train.steps - 1} (train.steps - 1)")
+        self.step = step
+
     def step_once(self, timed: bool | None = None) -> StepReport:
         """One full optimizer step: this step's inputs (prefetched), `train_step`, the next step's inputs started;
         advances `self.step`. The report carries the phase times (`timings`, step_timer.py) on logging steps, or
