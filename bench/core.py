@@ -3,7 +3,7 @@
 A benchmark declares its settings as a dataclass whose defaults are the full-size run and whose `QUICK` mapping is the
 smoke run (`--quick`); `key=value` overrides go through the project's strict config loader, so an unknown key or a
 wrong type fails naming the key. It returns its figures as `Figure(name, value, target)`: `finish` prints the
-met/missed table, then the benchmark's own tables (last), and writes the JSON: the figures as top-level keys, then
+benchmark's own tables, then the met/missed table of the figures last, and writes the JSON: the figures as top-level keys, then
 `machine` and `config`. The machines are noisy (shared VMs), so comparisons are paired: both callables run in every
 round, in alternating order, and the statistic is the median of per-round ratios.
 """
@@ -57,46 +57,55 @@ def parse(cls: type[S], argv: Sequence[str] | None, description: str) -> tuple[S
 
 @dataclass(frozen=True)
 class Figure:
-    """A named figure and its target: `value` a number or {case: number} (the worst case is judged)."""
+    """A named figure and its target. `value` is a number or {case: number}, `target` a number or {case: number};
+    with cases the worst one (relative to its target) is shown and judged."""
     name: str
     value: Any
-    target: float | None = None
+    target: Any = None
     sense: str = "<="     # "<=": lower is better; ">=": higher is better
 
-    def worst(self) -> tuple[str | None, float | None]:
+    def worst(self) -> tuple[str | None, Any, Any]:
+        """(case or None, its value, its target)."""
         if not isinstance(self.value, Mapping):
-            return None, self.value
-        pick = max if self.sense == "<=" else min
-        case = pick(self.value, key=self.value.get)
-        return case, self.value[case]
+            return None, self.value, self.target
+
+        def target(case: str) -> Any:
+            return self.target.get(case) if isinstance(self.target, Mapping) else self.target
+
+        def badness(case: str) -> float:
+            value, bound = self.value[case], target(case)
+            if value is None or bound is None:
+                return -float("inf")
+            return value / bound if self.sense == "<=" else bound / value
+        case = max(self.value, key=badness)
+        return case, self.value[case], target(case)
 
     def verdict(self) -> str:
-        _, value = self.worst()
-        if self.target is None or value is None:
+        _, value, target = self.worst()
+        if target is None or value is None:
             return ""
-        return "met" if (value <= self.target if self.sense == "<=" else value >= self.target) else "MISSED"
+        return "met" if (value <= target if self.sense == "<=" else value >= target) else "MISSED"
 
     def row(self) -> list[Any]:
-        case, value = self.worst()
+        case, value, target = self.worst()
         shown = value if isinstance(value, (int, float)) else str(value)
-        target = "" if self.target is None else f"{self.sense} {self.target:g}"
-        return [self.name if case is None else f"{self.name} (worst: {case})", shown, target, self.verdict()]
+        return [self.name if case is None else f"{self.name} (worst: {case})", shown,
+                "" if target is None else f"{self.sense} {target:g}", self.verdict()]
 
 
 def finish(json_path: str | None, figures: Sequence[Figure], rest: dict[str, Any], config: dict[str, Any],
            tables: Sequence[tuple[Sequence[str], Sequence[Sequence[Any]]]] = (), head: str = "") -> dict[str, Any]:
-    """Write the JSON ({figures, **rest, machine, config}), print `head`, the figures table and `tables` last;
+    """Write the JSON ({figures, **rest, machine, config}), print `head`, `tables` and the figures table last;
     returns the payload."""
     payload = {**{f.name: f.value for f in figures}, **rest, "machine": machine_info(), "config": config}
     if json_path:
         write_json(json_path, payload)
     if head:
         print(f"\n{head}")
-    if figures:
-        print_table(["figure", "value", "target", "verdict"], [f.row() for f in figures])
     for headers, rows in tables:
-        print()
         print_table(headers, rows)
+        print()
+    print_table(["figure", "value", "target", "verdict"], [f.row() for f in figures])
     return payload
 
 

@@ -78,7 +78,8 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
         assert bare <= payload["ops_per_fwd_bwd"][row] <= 1.5 * bare, (row, bare, payload["ops_per_fwd_bwd"][row])
     if payload["machine"]["gpu"] is None:
         assert set(payload["mfu"].values()) == {None} and "skipped" in payload["joules_per_token"]
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("CHTs 2:4 + TANS"), "the table is last"
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("chts_1of4_tans_over_dense_adamw"), \
+        "the figures table is last"
 
 
 def _bare_fwd_bwd_ops(method: str) -> int:

@@ -87,7 +87,8 @@ def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, r
             full, sharded = table[f"W={w} full"], table[f"W={w} sharded"]
             assert sharded["grad_buffer"] * w <= full["grad_buffer"] * 1.05, (model, w)
             assert sharded["backbone_state_over_dense_adamw"] <= 0.27, (model, w)
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("1b"), "analytic table last"
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("grad_bytes_W64_sharded_over_full_1b"), \
+        "the figures table last"
 
 
 def test_index_cache_counts_every_tensor_a_layer_holds_besides_values_and_codes(tool):
