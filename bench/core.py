@@ -87,6 +87,8 @@ class Figure:
         return "met" if (value <= target if self.sense == "<=" else value >= target) else "MISSED"
 
     def row(self) -> list[Any]:
+        if isinstance(self.value, Mapping) and self.target is None:   # nothing to judge: every case
+            return [self.name, ", ".join(f"{k} {v:.3g}" for k, v in self.value.items()), "", ""]
         case, value, target = self.worst()
         shown = value if isinstance(value, (int, float)) else str(value)
         return [self.name if case is None else f"{self.name} (worst: {case})", shown,
