@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -47,9 +48,12 @@ def parse(cls: type[S], argv: Sequence[str] | None, description: str) -> tuple[S
     p.add_argument("overrides", nargs="*", metavar="key=value", help="a setting (keys below)")
     args = p.parse_args(argv)
     data: dict[str, Any] = dict(cls.QUICK) if args.quick else {}
+    text_fields = {name for name, tp in typing.get_type_hints(cls).items() if tp is str}
     try:
         for item in args.overrides:
-            data.update(parse_override(item))
+            key, _, text = item.partition("=")
+            # A text setting takes the text as given (rows=dense_adamw, world_sizes=8); others are read as YAML.
+            data.update({key: text} if key in text_fields else parse_override(item))
         return build_dataclass(cls, {**data, "quick": args.quick}, ""), args.json
     except ValueError as err:
         p.error(str(err))
@@ -65,20 +69,19 @@ class Figure:
     sense: str = "<="     # "<=": lower is better; ">=": higher is better
 
     def worst(self) -> tuple[str | None, Any, Any]:
-        """(case or None, its value, its target)."""
+        """(case or None, its value, its target); nested cases are named by their keys joined with '/'."""
         if not isinstance(self.value, Mapping):
             return None, self.value, self.target
-
-        def target(case: str) -> Any:
-            return self.target.get(case) if isinstance(self.target, Mapping) else self.target
+        values = _flat(self.value)
+        targets = _flat(self.target) if isinstance(self.target, Mapping) else dict.fromkeys(values, self.target)
 
         def badness(case: str) -> float:
-            value, bound = self.value[case], target(case)
+            value, bound = values[case], targets.get(case)
             if value is None or bound is None:
                 return -float("inf")
             return value / bound if self.sense == "<=" else bound / value
-        case = max(self.value, key=badness)
-        return case, self.value[case], target(case)
+        case = max(values, key=badness)
+        return case, values[case], targets.get(case)
 
     def verdict(self) -> str:
         _, value, target = self.worst()
@@ -87,19 +90,30 @@ class Figure:
         return "met" if (value <= target if self.sense == "<=" else value >= target) else "MISSED"
 
     def row(self) -> list[Any]:
-        if isinstance(self.value, Mapping) and self.target is None:   # nothing to judge: every case
-            return [self.name, ", ".join(f"{k} {v:.3g}" for k, v in self.value.items()), "", ""]
         case, value, target = self.worst()
+        if case is not None and target is None:   # no case to judge: show every case
+            return [self.name, ", ".join(f"{k} {v:.3g}" for k, v in _flat(self.value).items()), "", ""]
         shown = value if isinstance(value, (int, float)) else str(value)
         return [self.name if case is None else f"{self.name} (worst: {case})", shown,
                 "" if target is None else f"{self.sense} {target:g}", self.verdict()]
 
 
-def finish(json_path: str | None, figures: Sequence[Figure], rest: dict[str, Any], config: dict[str, Any],
-           tables: Sequence[tuple[Sequence[str], Sequence[Sequence[Any]]]] = (), head: str = "") -> dict[str, Any]:
-    """Write the JSON ({figures, **rest, machine, config}), print `head`, `tables` and the figures table last;
-    returns the payload."""
-    payload = {**{f.name: f.value for f in figures}, **rest, "machine": machine_info(), "config": config}
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flat(value, name + "/") if isinstance(value, Mapping) else {name: value})
+    return out
+
+
+def finish(json_path: str | None, figures: Sequence[Figure], rest: dict[str, Any], config: dict[str, Any] | None,
+           tables: Sequence[tuple[Sequence[str], Sequence[Sequence[Any]]]] = (), head: str = "",
+           machine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the JSON ({figures, **rest, machine (with `machine` added), config}), print `head`, `tables` and the
+    figures table last; returns the payload."""
+    payload = {**{f.name: f.value for f in figures}, **rest, "machine": {**machine_info(), **(machine or {})}}
+    if config is not None:   # None: the settings are in `rest` (estimate_h200 keeps its committed layout)
+        payload["config"] = config
     if json_path:
         write_json(json_path, payload)
     if head:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -297,7 +298,9 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
+    def train(self, on_step: Callable[[int, StepReport], None] | None = None) -> TrainResult:
+        """Train to `train.steps`: steps, evaluation, logging, checkpoints, preemption. `on_step(step, report)` runs
+        after every optimizer step (a caller that records the run, e.g. tools/gpu_train_check.py)."""
         cfg = self.cfg
         out_dir = Path(cfg.train.out_dir)
         counts = parameter_counts(self.model)
@@ -316,6 +319,8 @@ class Trainer:
             t0 = time.perf_counter()
             report = self.step_once()
             step_time = time.perf_counter() - t0
+            if on_step is not None:
+                on_step(self.step, report)
             window.add(step_time, tokens_per_step, time.perf_counter())
             metrics = {**report.metrics, **report.timings, "time/step_s": step_time, "memory/peak_gb": peak_memory_gb(),
                        **progress_metrics(window, tokens_seen=self.inputs.consumed_samples * cfg.data.seq_len,

@@ -1,81 +1,35 @@
-"""Benchmark of the optimizer step (issue 4): DeepSpeed's dense optimizers against the sharded matrix engine.
+"""The optimizer step (issue 4; counts: issue 25): DeepSpeed's dense optimizers against the sharded matrix engine,
+on 2 gloo ranks, on synthetic gradients (no forward or backward timed). Rows: dense_adamw and deepspeed_muon (the
+dense model under DeepSpeed ZeRO-2 AdamW or MuonWithAuxAdam), sparse_muon, tans_replicated and tans_sharded (the
+1:4 row-wise model: DeepSpeed's dense side plus the matrix engine in the trainer's joint step), and the pieces the
+ratios use (sparse_dense_side, tans_sharded_backbone, tans_replicated_backbone). Bytes sent and held, op counts,
+and how the gradients are injected: docs/benchmarks.md.
 
-Two gloo ranks (spawned here, one thread each; a fresh pair per phase, because DeepSpeed engines outlive
-`destroy()` and a 130m pair would not fit next to each other) time one optimizer step of
-  dense_adamw       the dense model, every parameter in DeepSpeed ZeRO-2 AdamW
-  deepspeed_muon    the dense model under DeepSpeed ZeRO-2 `MuonWithAuxAdam` (optimizer type "Muon": DeepSpeed
-                    tags >= 2-D non-embedding parameters `use_muon` and orthogonalizes them in its gradient
-                    epilogue, research/distributed_ns.md s1; the rest goes to its auxiliary AdamW)
-  sparse_muon       the 1:4 row-wise model: DeepSpeed ZeRO-2 AdamW on the dense side (embeddings, norms, head)
-                    plus the matrix engine, rule `muon`, sharded
-  tans_replicated   the same with rule `tans`, replicated mode (all-reduce, every rank updates every matrix)
-  tans_sharded      the same with rule `tans`, sharded mode (reduce-scatter, owners, all-gather)
-and the pieces the ratios use: `sparse_dense_side` (the DeepSpeed half of the three sparse steps) and
-`tans_sharded_backbone` / `tans_replicated_backbone` (the matrix engine alone: reduce_gradients + step).
-
-No forward or backward is timed. Gradients are synthetic: a zero-cost autograd node hands every DeepSpeed
-parameter a fixed random gradient, so DeepSpeed's own hooks reduce it exactly as after a real backward (in ZeRO-2
-the reduce, and DeepSpeed Muon's Newton-Schulz, run in `engine.backward`'s epilogue, not in `engine.step`), and
-the matrix engine's flat buffer is filled with random values, as its post-accumulate hooks would leave it.
-A sparse step is the trainer's own joint step (distsparse/train/joint_step.py: JointOptimizer.backward on the
-injected gradients, then JointOptimizer.step: engine reduce, the step's one scalar all-reduce, DeepSpeed's step with
-the joint norm, engine step). Ratios are medians of per-round ratios of paired, interleaved rounds
-(tools/benchlib.py); the full-step ratio tans_sharded / deepspeed_muon compares what a run pays per step, the
-backbone ratio sharded / replicated compares the two engine modes.
-
-Bytes (per rank per optimizer step, `MatrixEngine.comm_bytes_per_step` plus the joint step's scalar all-reduce,
-`JointOptimizer.scalar_bytes_per_step`: ring algorithms, padding included, code all-gathers amortized over the
-method's update_interval) are those of bf16 training (fp32 reduce-scatter, bf16
-value all-gather, the engine's defaults on GPU), over the bytes a ring all-reduce of the same matrices' dense
-gradients sends in bf16 and in fp32: 2 (W-1)/W x numel x bytes. The engines here accumulate gradients in full mode
-(`engine.grad_accum_mode=full`: the benchmark fills their [W * S] buffer directly, as the hooks would), so the
-reduce is one reduce-scatter of equal shards per step. State bytes are the TANS engine's optimizer state
-(fp32 masters, V, P and counters: `MatrixEngine.state_bytes()` minus its fp32 gradients) at W = 1 (a one-rank
-group) and W = 2 (the larger of the two ranks); the full-mode gradient buffer, a [W * S] copy on every rank, is
-reported beside it (`grad_buffer_*`, `with_grad_buffer_*`), and so is sharded mode's accumulator of the rank's own
-gradients (`grad_accumulator_W=2`, `with_grad_accumulator_*`). `ns_flops_max_over_mean_rank` is the LPT load balance
-of the owner map under `matrix_cost` at W = 2; the table adds W = 4 and 8.
-
-Launches (issue 25): every row also reports its aten ops and host syncs per step (`ops_per_step`, `syncs_per_step`:
-one untimed call on rank 0 under distsparse/op_count.py's counter), and the counts phase gives `tans_ops_per_step`
-(one steady TANS backbone step on one rank at the model's shapes, counted on the meta device; with half the layers,
-and at reduced widths on 1 and 2 gloo ranks beside it: the count follows the shape groups, not the matrices) and
-`tans_batched_over_per_matrix_max_rel_err` (the engine's group kernels against the per-matrix rules); how, in
-tools/optimizer_counts.py. `--model 350m` runs the counts phase only (`--counts-only`).
-
-    python tools/bench_optimizer.py --json out.json                 # 60m shapes, vocab 32000, 1:4 row-wise
-    python tools/bench_optimizer.py --model 350m --json out.json    # op counts and the error at 350m (168 matrices)
-    python tools/bench_optimizer.py --model 130m --json out.json
-    python tools/bench_optimizer.py --quick --json out.json         # tiny model, for the test suite
+    python -m bench.optimizer --json out.json                 # 60m shapes, vocab 32000, 1:4 row-wise
+    python -m bench.optimizer model=350m --json out.json    # op counts and the error at 350m (168 matrices)
+    python -m bench.optimizer --quick --json out.json         # tiny model, for the test suite
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
-import resource
-import socket
-import statistics
-import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from benchlib import add_json_arg, machine_info, paired_ratio, print_table, write_json
-from optimizer_counts import count_rows
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.core import Figure, Settings, finish, median_time, paired_ratio, parse, progress
+from bench.memory import peak_rss_bytes
+from bench.optimizer_counts import count_phase, count_rows
+from bench.ranks import on_ranks
+from bench.trainers import DS_CONFIG
+
 WORLD_SIZE = 2
-VOCAB = 32000
-QUICK_VOCAB = 512   # the smoke test times the same steps; the embeddings need not be full size
 SPARSE_METHOD = "chtsnm_nobranch_1of4_row"   # 1:4 row-wise, rule tans
 PHASES = ("dense_adamw", "deepspeed_muon", "engine", "counts")
-COUNT_WIDTH = 256   # the 2-rank op count's hidden size (tools/optimizer_counts.py): widths divided to about this
+COUNT_WIDTH = 256   # the 2-rank op count's hidden size (optimizer_counts.py): widths divided to about this
 TARGETS = {   # issue 4; the op count and the error: issue 25 (at 350m: 168 matrices, one rank)
     "tans_ops_per_step": 1800,
     "tans_batched_over_per_matrix_max_rel_err": 1e-5,
@@ -88,31 +42,21 @@ TARGETS = {   # issue 4; the op count and the error: issue 25 (at 350m: 168 matr
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_json_arg(p)
-    p.add_argument("--model", default="60m", choices=("60m", "130m", "350m"),
-                   help="model preset whose shapes are timed and counted (350m: counted only, --counts-only)")
-    p.add_argument("--counts-only", action="store_true",
-                   help="only the op counts and the batched-vs-per-matrix error, no timed phases (implied by --model "
-                        "350m: its DeepSpeed engines and Newton-Schulz steps do not fit two CPU ranks)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"tiny model, vocab {QUICK_VOCAB}, one round, DeepSpeed's Muon kernels eager (smoke test)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed rounds per measurement (default 1; 0 quick)")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds per measurement (default 3; 1 quick)")
-    p.add_argument("--eager", action="store_true",
-                   help="TORCH_COMPILE_DISABLE=1: DeepSpeed's torch.compile'd Muon kernels run eagerly (implied by "
-                        "--quick: compiling them costs minutes on CPU)")
-    args = p.parse_args(argv)
-    args.preset = "tiny" if args.quick else args.model
-    args.vocab = QUICK_VOCAB if args.quick else VOCAB
-    args.warmup = ((0 if args.quick else 1) if args.warmup is None else args.warmup)
-    args.repeats = ((1 if args.quick else 3) if args.repeats is None else args.repeats)
-    args.eager = args.eager or args.quick
-    args.counts_only = args.counts_only or args.model == "350m"
-    if args.warmup < 0 or args.repeats < 1:
-        p.error(f"--warmup: got {args.warmup}, --repeats: got {args.repeats}; allowed: warmup >= 0, repeats >= 1")
-    return args
+@dataclass
+class OptimizerSettings(Settings):
+    model: str = "60m"          # tiny, 60m, 130m or 350m (350m: counted only)
+    vocab: int = 32000          # the smoke run's 512: the embeddings need not be full size
+    counts_only: bool = False   # only the op counts and the error (implied by 350m: its engines do not fit 2 ranks)
+    warmup: int = 1             # untimed rounds per measurement
+    repeats: int = 3            # timed rounds per measurement
+    eager: bool = False         # TORCH_COMPILE_DISABLE=1: DeepSpeed's Muon kernels eager (compiling costs minutes)
+    QUICK = {"model": "tiny", "vocab": 512, "warmup": 0, "repeats": 1, "eager": True}
+
+    def __post_init__(self) -> None:
+        if self.model not in ("tiny", "60m", "130m", "350m"):
+            raise ValueError(f"model: got {self.model!r}; allowed: tiny, 60m, 130m, 350m")
+        self.counts_only = self.counts_only or self.model == "350m"
+        self.at_least(warmup=0, repeats=1)
 
 
 # ---- per rank ------------------------------------------------------------------------------------------------------
@@ -136,19 +80,6 @@ def _synthetic_grads(params: list[torch.Tensor], seed: int) -> list[torch.Tensor
     would not fit next to the engines); autograd copies them into fresh .grad tensors as a backward would."""
     pool = torch.randn(max(p.numel() for p in params), generator=torch.Generator().manual_seed(seed)) * 1e-3
     return [pool[:p.numel()].view(p.shape) for p in params]
-
-
-def _median_time(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None]) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _deepspeed_step(engine, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> Callable[[], None]:
@@ -180,19 +111,19 @@ class _Rank:
     """One rank's setup: configs, DeepSpeed configs, and (built once, on first use) the sparse model with its
     DeepSpeed dense side and the TANS sharded engine. Each `phase_*` method returns its figures."""
 
-    def __init__(self, rank: int, args: argparse.Namespace):
+    def __init__(self, rank: int, s: OptimizerSettings):
         import torch.distributed as dist
 
         from distsparse.config import load_config
         from distsparse.optim import MuonHParams, TansHParams
         from distsparse.train.ds_config import build_ds_config
 
-        self.rank, self.args, self.sync = rank, args, dist.barrier
-        self.start = time.perf_counter()
-        common = [f"model.preset={args.preset}", "train.dtype=fp32"]
+        self.rank, self.s, self.sync = rank, s, dist.barrier
+        self.progress = progress("bench.optimizer", rank)
+        common = [f"model.preset={s.model}", "train.dtype=fp32"]
         self.cfg_dense = load_config(None, common + ["method.preset=dense_adamw"])
         self.cfg_sparse = load_config(None, common + [f"method.preset={SPARSE_METHOD}"])
-        self.ds_adamw = build_ds_config(ROOT / "configs/ds/zero2.json", self.cfg_dense)
+        self.ds_adamw = build_ds_config(DS_CONFIG, self.cfg_dense)
         adam = self.ds_adamw["optimizer"]["params"]
         self.ds_muon = {**self.ds_adamw, "optimizer": {"type": "Muon", "params": {
             "muon_lr": MuonHParams().lr, "momentum": MuonHParams().momentum, "adam_lr": adam["lr"],
@@ -205,20 +136,17 @@ class _Rank:
         self.row_counts: dict[str, dict[str, int]] = {}
 
     def log(self, msg: str) -> None:
-        if self.rank == 0:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            print(f"bench_optimizer: [{time.perf_counter() - self.start:.0f}s, peak {rss:.1f} GiB] {msg}",
-                  file=sys.stderr, flush=True)
+        self.progress(f"[peak {peak_rss_bytes() / 2**30:.1f} GiB] {msg}")
 
     def time(self, name: str, fn: Callable[[], Any]) -> float:
         """Median time of `fn`, and one more call under the dispatch counter (row `name`)."""
-        t = _median_time(fn, self.args.warmup, self.args.repeats, self.sync)
+        t = median_time(fn, self.s.warmup, self.s.repeats, self.sync)
         self.count(name, fn)
         return t
 
     def paired(self, name_a: str, fn_a: Callable[[], Any], name_b: str, fn_b: Callable[[], Any]
                ) -> tuple[float, float, float]:
-        out = paired_ratio(fn_a, fn_b, self.args.warmup, self.args.repeats, self.sync)
+        out = paired_ratio(fn_a, fn_b, self.s.warmup, self.s.repeats, self.sync)
         self.count(name_a, fn_a)
         self.count(name_b, fn_b)
         return out
@@ -235,7 +163,7 @@ class _Rank:
         import deepspeed
 
         from distsparse.models import build_model
-        model = build_model(self.cfg_dense.model, self.cfg_dense.method, self.args.vocab, seed=0)
+        model = build_model(self.cfg_dense.model, self.cfg_dense.method, self.s.vocab, seed=0)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                                config=ds_config)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -250,13 +178,12 @@ class _Rank:
         from distsparse.train.trainer import dense_side_parameters
         if self.sparse is not None:
             return
-        self.sparse = build_model(self.cfg_sparse.model, self.cfg_sparse.method, self.args.vocab, seed=0)
+        self.sparse = build_model(self.cfg_sparse.model, self.cfg_sparse.method, self.s.vocab, seed=0)
         self.backbone = backbone_modules(self.sparse)
         groups = dense_side_parameters(self.sparse, self.backbone)
         self.side_params = [p for group in groups for p in group["params"]]
-        self.side_engine, _, _, _ = deepspeed.initialize(
-            model=self.sparse, model_parameters=groups,
-            config=build_ds_config(ROOT / "configs/ds/zero2.json", self.cfg_sparse))
+        self.side_engine, _, _, _ = deepspeed.initialize(model=self.sparse, model_parameters=groups,
+                                                         config=build_ds_config(DS_CONFIG, self.cfg_sparse))
         self.side_grads = _synthetic_grads(self.side_params, 20 + self.rank)
         self.tans_sharded = MatrixEngine(self.backbone, rule="tans", hparams=self.tans_hp, mode="sharded",
                                          grad_accum_mode="full")
@@ -284,7 +211,6 @@ class _Rank:
                                             "deepspeed_muon", muon_step)
         return {"opt_step_s": {"tans_sharded": t_tans, "deepspeed_muon": t_muon},
                 "tans_sharded_over_deepspeed_muon": ratio}
-
     def phase_engine(self) -> dict[str, Any]:
         import torch.distributed as dist
 
@@ -365,22 +291,16 @@ class _Rank:
         }
 
 
+
     def phase_counts(self) -> dict[str, Any]:
-        """Op counts of a steady TANS backbone step and the batched step's error (tools/optimizer_counts.py)."""
-        from optimizer_counts import count_phase
+        """Op counts of a steady TANS backbone step and the batched step's error (optimizer_counts.py)."""
         hidden, layers = self.cfg_sparse.model.hidden_size, self.cfg_sparse.model.num_hidden_layers
-        return {"opt_step_s": {}, **count_phase(self.rank, WORLD_SIZE, self.args.preset, self.tans_hp, layers=layers,
+        return {"opt_step_s": {}, **count_phase(self.rank, WORLD_SIZE, self.s.model, self.tans_hp, layers=layers,
                                                 width_divisor=max(1, hidden // COUNT_WIDTH), log=self.log)}
 
 
-def _rank_main(rank: int, args: argparse.Namespace, port: int, phases: tuple[str, ...], out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    me = _Rank(rank, args)
+def _rank_main(rank: int, world_size: int, s: OptimizerSettings, phases: tuple[str, ...]) -> dict[str, Any]:
+    me = _Rank(rank, s)
     result: dict[str, Any] = {"opt_step_s": {}}
     for phase in phases:
         part = getattr(me, f"phase_{phase}")()
@@ -388,55 +308,34 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, phases: tuple[str
         result.update(part)
     result["row_counts"] = me.row_counts
     me.log(f"done: {', '.join(phases)}")
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    return result
 
 
 # ---- driver ------------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the phases on 2 spawned ranks and merge their figures. A full run gives each DeepSpeed dense engine
-    fresh processes (a 130m dense engine pair would not fit next to the sparse set); --quick runs one spawn."""
-    import torch.multiprocessing as mp
-
-    # Read by the children at start: one OpenMP thread per rank, DeepSpeed's CPU accelerator.
-    os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    if args.eager:
+def run_ranks(s: OptimizerSettings) -> dict[str, Any]:
+    """Run the phases on 2 fresh ranks and merge rank 0's figures. A full run gives each DeepSpeed dense engine
+    fresh processes (a 130m dense engine pair would not fit next to the sparse set); --quick runs one pool."""
+    if s.eager:   # read by the ranks when they start
         os.environ["TORCH_COMPILE_DISABLE"] = "1"
-    phases = ("counts",) if args.counts_only else PHASES
-    groups = [phases] if args.quick else [(phase,) for phase in phases]
+    phases = ("counts",) if s.counts_only else PHASES
     merged: dict[str, Any] = {"opt_step_s": {}, "row_counts": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, phases in enumerate(groups):
-            out = Path(tmp) / f"rank0-{i}.json"
-            mp.spawn(_rank_main, args=(args, _free_port(), phases, str(out)), nprocs=WORLD_SIZE, join=True)
-            part = json.loads(out.read_text())
-            merged["opt_step_s"].update(part.pop("opt_step_s"))
-            merged["row_counts"].update(part.pop("row_counts"))
-            merged.update(part)
+    for group in ([phases] if s.quick else [(phase,) for phase in phases]):
+        part = on_ranks(None, WORLD_SIZE, _rank_main, s, group)[0]
+        merged["opt_step_s"].update(part.pop("opt_step_s"))
+        merged["row_counts"].update(part.pop("row_counts"))
+        merged.update(part)
     return merged
 
 
-def _verdict(value: float, target: float) -> str:
-    return "met" if value <= target else "MISSED"
-
-
-def _config(args: argparse.Namespace, extra: dict | None, counts: dict, load_start) -> dict[str, Any]:
+def _config(s: OptimizerSettings, extra: dict | None, counts: dict, load_start) -> dict[str, Any]:
     config = {
-        "model": args.preset, "vocab_size": args.vocab, "method": SPARSE_METHOD, "sparsity": "1:4", "layout": "row",
+        "model": s.model, "vocab_size": s.vocab, "method": SPARSE_METHOD, "sparsity": "1:4", "layout": "row",
         "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
-        "quick": args.quick, "counts_only": args.counts_only, "warmup": args.warmup, "repeats": args.repeats,
+        "quick": s.quick, "counts_only": s.counts_only, "warmup": s.warmup, "repeats": s.repeats,
         "op_counts": "aten ops and host syncs (distsparse/op_count.py) of one untimed call per row on rank 0; "
                      "tans_ops_per_step: one steady TANS backbone step (reduce, norm, step with clip 0.5, zero) on "
-                     "one rank at the model's shapes on the meta device (tools/optimizer_counts.py); the 2-rank count "
+                     "one rank at the model's shapes on the meta device (bench/optimizer_counts.py); the 2-rank count "
                      f"at the model's layers with widths / {counts['width_divisor']} on 2 gloo ranks",
         "tans_hparams": "paper defaults with ramp_steps 0 (the NS correction on every step)",
         "tans_batched_over_per_matrix_max_rel_err": "2 TANS steps, engine (group kernels) vs rules.step_each "
@@ -450,7 +349,7 @@ def _config(args: argparse.Namespace, extra: dict | None, counts: dict, load_sta
     return {**config,
             "deepspeed": "ZeRO-2 (configs/ds/zero2.json via build_ds_config), torch AdamW; Muon: optimizer type "
                          "'Muon', ns_method default (gram), momentum 0.95",
-            "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if args.eager else
+            "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if s.eager else
                                       "torch.compile (DeepSpeed default)",
             "gradients": "synthetic: fixed random gradients injected through autograd (DeepSpeed) or into the engine "
                          "buffer; no forward/backward timed",
@@ -473,51 +372,40 @@ def _config(args: argparse.Namespace, extra: dict | None, counts: dict, load_sta
                                "engine"}
 
 
+def _mib_pair(state: dict, key: str) -> str:
+    return f"{state[f'{key}W=1'] / 2**20:.1f} / {state[f'{key}W=2'] / 2**20:.1f}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+    s, json_path = parse(OptimizerSettings, argv, __doc__.split("\n\n")[0])
     load_start = os.getloadavg()   # the machines are shared: the load next to the numbers says how noisy they are
-    result = run_ranks(args)
+    result = run_ranks(s)
     extra = result.pop("_extra", None)
     per_row = result.pop("row_counts")
     result["ops_per_step"] = {k: v["ops"] for k, v in per_row.items()}
     result["syncs_per_step"] = {k: v["syncs"] for k, v in per_row.items()}
-    payload = {**result, "machine": machine_info(), "config": _config(args, extra, result["op_counts"], load_start)}
-    if args.json:
-        write_json(args.json, payload)
-
+    names = [k for k in TARGETS if k in result]
+    figures = [Figure(k, result.pop(k), TARGETS[k]) for k in names]
     rows: list[list[Any]] = [[f"opt_step_s/{k}", v, result["ops_per_step"].get(k, ""),
-                              result["syncs_per_step"].get(k, ""), "", ""] for k, v in result["opt_step_s"].items()]
-    rows += count_rows(result, TARGETS)
+                              result["syncs_per_step"].get(k, "")] for k, v in result["opt_step_s"].items()]
+    rows += [[what, "", ops, syncs] for what, ops, syncs in count_rows(result["op_counts"])]
     if extra is not None:
-        state = result["backbone_state_bytes_per_rank"]
-        sent = extra["sent_bf16"]
-        for key in ("tans_sharded_over_deepspeed_muon", "tans_sharded_over_replicated",
-                    "backbone_comm_bytes_over_dense_allreduce_bf16", "backbone_comm_bytes_over_dense_allreduce_fp32",
-                    "ns_flops_max_over_mean_rank"):
-            rows.append([key, result[key], "", "", f"<= {TARGETS[key]}", _verdict(result[key], TARGETS[key])])
-        for w, b in extra["balance"].items():
-            if int(w) != WORLD_SIZE:
-                rows.append([f"ns_flops_max_over_mean_rank (W={w})", b, "", "", "", ""])
-        rows.append(["state bytes W=2 / W=1", state["W=2_over_W=1"], "", "", f"<= {TARGETS['state_W2_over_W1']}",
-                     _verdict(state["W=2_over_W=1"], TARGETS["state_W2_over_W1"])])
-        rows.append(["state bytes W=1 / W=2 (MiB)", f"{state['W=1'] / 2**20:.1f} / {state['W=2'] / 2**20:.1f}", "",
-                     "", "", ""])
-        rows.append(["derived cache W=1 / W=2 (MiB)",
-                     f"{state['derived_cache_W=1'] / 2**20:.1f} / {state['derived_cache_W=2'] / 2**20:.1f}", "", "",
-                     "", ""])
-        rows.append(["state + grad buffer W=2 / W=1", state["with_grad_buffer_W=2_over_W=1"], "", "", "", ""])
-        rows.append(["grad buffer W=1 / W=2 (MiB)",
-                     f"{state['grad_buffer_W=1'] / 2**20:.1f} / {state['grad_buffer_W=2'] / 2**20:.1f}", "", "", "",
-                     ""])
-        rows.append(["state + grad accumulator W=2 / W=1", state["with_grad_accumulator_W=2_over_W=1"], "", "", "",
-                     ""])
-        rows.append(["sent/rank/step bf16 (MiB): reduce+values+codes+scalars",
-                     (f"{sent['reduce'] / 2**20:.2f}+{sent['values'] / 2**20:.2f}+{sent['codes'] / 2**20:.4f}"
-                      f"+{sent['scalars']:.0f}B"), "", "", "", ""])
-    timed = "counts only" if args.counts_only else f"{args.repeats} timed rounds"
-    print(f"\n{args.preset} shapes, vocab {args.vocab}, 1:4 row-wise, {WORLD_SIZE} gloo ranks x 1 thread, {timed}")
-    print_table(["figure", "value", "ops/step", "syncs/step", "target", "verdict"], rows)
-    return payload
+        state, sent = result["backbone_state_bytes_per_rank"], extra["sent_bf16"]
+        rows += [[f"ns_flops_max_over_mean_rank (W={w})", b, "", ""] for w, b in extra["balance"].items()
+                 if int(w) != WORLD_SIZE]
+        rows += [[f"state bytes W=2 / W=1 (target <= {TARGETS['state_W2_over_W1']})", state["W=2_over_W=1"], "", ""],
+                 ["state bytes W=1 / W=2 (MiB)", _mib_pair(state, ""), "", ""],
+                 ["derived cache W=1 / W=2 (MiB)", _mib_pair(state, "derived_cache_"), "", ""],
+                 ["state + grad buffer W=2 / W=1", state["with_grad_buffer_W=2_over_W=1"], "", ""],
+                 ["grad buffer W=1 / W=2 (MiB)", _mib_pair(state, "grad_buffer_"), "", ""],
+                 ["state + grad accumulator W=2 / W=1", state["with_grad_accumulator_W=2_over_W=1"], "", ""],
+                 ["sent/rank/step bf16 (MiB): reduce+values+codes+scalars",
+                  (f"{sent['reduce'] / 2**20:.2f}+{sent['values'] / 2**20:.2f}+{sent['codes'] / 2**20:.4f}"
+                   f"+{sent['scalars']:.0f}B"), "", ""]]
+    timed = "counts only" if s.counts_only else f"{s.repeats} timed rounds"
+    return finish(json_path, figures, result, _config(s, extra, result["op_counts"], load_start),
+                  [(["figure", "value", "ops/step", "syncs/step"], rows)],
+                  f"{s.model} shapes, vocab {s.vocab}, 1:4 row-wise, {WORLD_SIZE} gloo ranks x 1 thread, {timed}")
 
 
 if __name__ == "__main__":
