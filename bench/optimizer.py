@@ -329,47 +329,36 @@ def run_ranks(s: OptimizerSettings) -> dict[str, Any]:
 
 
 def _config(s: OptimizerSettings, extra: dict | None, counts: dict, load_start) -> dict[str, Any]:
+    """Every setting that moves the numbers; how each figure is made: docs/benchmarks.md#optimizer."""
     config = {
         "model": s.model, "vocab_size": s.vocab, "method": SPARSE_METHOD, "sparsity": "1:4", "layout": "row",
         "world_size": WORLD_SIZE, "backend": "gloo", "threads_per_rank": 1, "dtype": "fp32 (CPU)",
         "quick": s.quick, "counts_only": s.counts_only, "warmup": s.warmup, "repeats": s.repeats,
-        "op_counts": "aten ops and host syncs (distsparse/op_count.py) of one untimed call per row on rank 0; "
-                     "tans_ops_per_step: one steady TANS backbone step (reduce, norm, step with clip 0.5, zero) on "
-                     "one rank at the model's shapes on the meta device (bench/optimizer_counts.py); the 2-rank count "
-                     f"at the model's layers with widths / {counts['width_divisor']} on 2 gloo ranks",
+        "op_counts": "one untimed call per row on rank 0 (distsparse/op_count.py); tans_ops_per_step: one steady "
+                     "TANS backbone step on one rank at the model's shapes on the meta device; 2 ranks at widths "
+                     f"/ {counts['width_divisor']}",
         "tans_hparams": "paper defaults with ramp_steps 0 (the NS correction on every step)",
-        "tans_batched_over_per_matrix_max_rel_err": "2 TANS steps, engine (group kernels) vs rules.step_each "
-                                                    "(per-matrix): max |update error| / max |update|, and V, P; one "
-                                                    "layer at full width and every layer at reduced widths",
-        "targets": TARGETS,
-        "load_average_1_5_15_min": {"start": load_start, "end": os.getloadavg()},
+        "tans_batched_over_per_matrix_max_rel_err": "2 TANS steps, group kernels vs rules.step_each: max relative "
+                                                    "update error, and V, P",
+        "targets": TARGETS, "load_average_1_5_15_min": {"start": load_start, "end": os.getloadavg()},
     }
     if extra is None:
         return config
     return {**config,
-            "deepspeed": "ZeRO-2 (configs/ds/zero2.json via build_ds_config), torch AdamW; Muon: optimizer type "
-                         "'Muon', ns_method default (gram), momentum 0.95",
-            "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if s.eager else
-                                      "torch.compile (DeepSpeed default)",
-            "gradients": "synthetic: fixed random gradients injected through autograd (DeepSpeed) or into the engine "
-                         "buffer; no forward/backward timed",
+            "deepspeed": "ZeRO-2 (configs/ds/zero2.json), torch AdamW; Muon: type 'Muon', gram NS, momentum 0.95",
+            "deepspeed_muon_kernels": "eager (TORCH_COMPILE_DISABLE=1)" if s.eager else "torch.compile",
+            "gradients": "synthetic, injected through autograd (DeepSpeed) or into the engine buffer",
             "statistic": "median over rounds; ratios: median of per-round ratios, paired rounds in alternating order",
-            "tans_sharded_over_deepspeed_muon": "full optimizer step of the sparse model (DeepSpeed dense side + "
-                                                "engine) over DeepSpeed Muon's step of the dense model",
-            "tans_sharded_over_replicated": "matrix engine alone: reduce_gradients + step, sharded over replicated",
-            "comm_bytes": "per rank per step, ring model, padding included, bf16 training (fp32 reduce-scatter, bf16 "
-                          "all-gather), codes amortized over update_interval; denominator 2 (W-1)/W x dense numel x "
-                          "bytes",
+            "tans_sharded_over_deepspeed_muon": "sparse model's full step (dense side + engine) / DeepSpeed Muon's",
+            "tans_sharded_over_replicated": "matrix engine alone: reduce_gradients + step, sharded / replicated",
+            "comm_bytes": "per rank per step, ring model, bf16 training, codes amortized; over 2 (W-1)/W x dense "
+                          "numel x bytes",
             "update_interval": extra["update_interval"], "backbone_matrices": extra["matrices"],
             "backbone_values": extra["values"], "backbone_dense_numel": extra["dense_numel"],
             "shard_size": extra["shard_size"],
-            "state_bytes": "optimizer state: MatrixEngine.state_bytes() (fp32 masters, rule state, gradients) minus "
-                           "the fp32 gradients, reported separately: full mode's buffer (grad_buffer_, "
-                           "with_grad_buffer_) and sharded mode's accumulator (grad_accumulator_, "
-                           "with_grad_accumulator_); derived_cache_: the groups' int32 kept index "
-                           "(MatrixEngine.cache_bytes(), not in the state)",
-            "grad_accum_mode": "full (the buffer is filled directly); the accumulator figures from a sharded-mode "
-                               "engine"}
+            "state_bytes": "MatrixEngine.state_bytes() minus the fp32 gradients (grad_buffer_, grad_accumulator_ "
+                           "apart); derived_cache_: MatrixEngine.cache_bytes()",
+            "grad_accum_mode": "full (the buffer is filled directly); the accumulator from a sharded-mode engine"}
 
 
 def _mib_pair(state: dict, key: str) -> str:

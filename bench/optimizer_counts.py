@@ -1,19 +1,7 @@
-"""What bench/optimizer.py counts of the matrix engine's step (issue 25 items 1 and 5): aten ops and host syncs
-of one steady backbone step (distsparse/op_count.py), and the batched step's error against the per-matrix rules.
-
-A steady backbone step is the engine's part of a joint step with clipping on and no refresh (engine.py phases 1-5):
-reduce_gradients, local_grad_sq_norm, step(lr, clip 0.5), zero_grad, after one warm-up step (the first step builds
-the kept-index cache). Op counts do not depend on the widths of the matrices, only on how many there are, their
-groups and their owners (tests/test_op_count.py: counts on 1 and 4 layers, meta against CPU), so
-  - one rank at the model's own shapes is counted on the meta device (nothing computed: 350m costs no FLOPs),
-  - the 2-rank count runs the real collectives on 2 gloo CPU ranks at the model's layer structure with its widths
-    divided by `width_divisor` (and the value gather's chunk by its square, so the shards split into as many
-    chunks), beside the same reduced model on one rank, to show the widths change nothing at one rank.
-The error figure: `steps` TANS steps from the same masters and zero state through the engine (one group kernel per
-group) and through rules.step_each (the per-matrix reference), on the same gradients; the largest over matrices of
-max |batched update - reference update| / max |reference update| (the updates: master after minus before), and the
-same for V and P.
-"""
+"""What bench/optimizer.py counts of the matrix engine's step (issue 25 items 1 and 5): aten ops and host syncs of
+one steady backbone step (reduce_gradients, local_grad_sq_norm, step with clip 0.5, zero_grad; distsparse/op_count.py)
+at the model's shapes on the meta device and on 2 gloo ranks at reduced widths, and the batched step's error against
+the per-matrix rules. Why the counts do not depend on the widths: docs/benchmarks.md#optimizer."""
 
 from __future__ import annotations
 
