@@ -1,11 +1,11 @@
 """The harness every benchmark shares (DESIGN s6): settings, figures, paired timing and the report.
 
-A benchmark declares its settings as a dataclass whose defaults are the full-size run and whose `QUICK` mapping is the
-smoke run (`--quick`); `key=value` overrides go through the project's strict config loader, so an unknown key or a
-wrong type fails naming the key. It returns its figures as `Figure(name, value, target)`: `finish` prints the
-benchmark's own tables, then the met/missed table of the figures last, and writes the JSON: the figures as top-level keys, then
-`machine` and `config`. The machines are noisy (shared VMs), so comparisons are paired: both callables run in every
-round, in alternating order, and the statistic is the median of per-round ratios.
+A benchmark declares its settings as a dataclass whose defaults are the full-size run and whose `QUICK` mapping is
+the smoke run (`--quick`); `key=value` overrides go through the project's strict config loader, so an unknown key or
+a wrong type fails naming the key. It returns its figures as `Figure(name, value, target)`: `finish` prints the
+benchmark's own tables, then the met/missed table of the figures last, and writes the JSON: the figures as
+top-level keys, then `machine` and `config`. The machines are noisy (shared VMs), so comparisons are paired: both
+callables run in every round, in alternating order, and the statistic is the median of per-round ratios.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ class EstimateSettings(Settings):
     def __post_init__(self) -> None:
         if self.quick:
             return
-        known = sorted(q.stem.split("_")[1] for q in (ROOT / "configs/experiments").glob("paper_*_chtsnm_1of4_row.yaml"))
+        papers = (ROOT / "configs/experiments").glob("paper_*_chtsnm_1of4_row.yaml")
+        known = sorted(q.stem.split("_")[1] for q in papers)
         if not self.model_list or any(m not in known for m in self.model_list):
             raise ValueError(f"models: got {self.models!r}; allowed: a comma-separated subset of {', '.join(known)}")
         try:

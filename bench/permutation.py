@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def pair(key: str, with_perm: Callable, without: Callable, name_a: str, name_b: str) -> list[float]:
         r = paired_cpu_and_wall(with_perm, without, s.warmup, s.repeats)
         ratios[key], wall_ratios[key] = r["ratio"], r["wall_ratio"]
-        seconds[name_a], seconds[name_b] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}, {"cpu": r["cpu_b"], "wall": r["wall_b"]}
+        seconds[name_a] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}
+        seconds[name_b] = {"cpu": r["cpu_b"], "wall": r["wall_b"]}
         print(f"bench.permutation: {key} cpu {r['ratio']:.3f} wall {r['wall_ratio']:.3f}", file=sys.stderr, flush=True)
         return [min(r["ratios"]), max(r["ratios"])]
 

@@ -23,9 +23,9 @@ TIMEOUT_S = 600
 
 
 def _worker(rank: int, world_size: int, port: int, cuda: bool, tasks, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      DS_ACCELERATOR="cuda" if cuda else "cpu")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1", DS_ACCELERATOR="cuda" if cuda else "cpu")
     import torch
     import torch.distributed as dist
     if cuda:

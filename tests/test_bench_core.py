@@ -79,6 +79,7 @@ def _rank_value(rank, world_size, offset):
 
 def test_the_rank_pool_returns_every_rank_in_order_and_reports_a_failing_rank(ranks2):
     assert ranks2.run(_rank_value, 1) == [3, 13]
-    with pytest.raises(RuntimeError, match="(?s)(?=.*rank 0:.*ValueError: rank 0 refuses)(?=.*rank 1:.*ValueError: rank 1 refuses)"):
+    with pytest.raises(RuntimeError) as failed:
         ranks2.run(_rank_value, -1)
+    assert {"ValueError: rank 0 refuses", "ValueError: rank 1 refuses"} <= set(str(failed.value).splitlines())
     assert ranks2.run(_rank_value, 0) == [2, 12]   # the pool survives
