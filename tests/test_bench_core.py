@@ -14,6 +14,7 @@ from bench.memory import storage_bytes
 
 def test_a_figure_judges_its_value_or_its_worst_case_against_the_target():
     assert Figure("r", 0.5, 0.6).verdict() == "met" and Figure("r", 0.7, 0.6).verdict() == "MISSED"
+    assert Figure("r", 0.6, 0.6).verdict() == Figure("r", 0.6, 0.6, ">=").verdict() == "met"   # a target is met at it
     assert Figure("r", 0.7, 0.6, ">=").verdict() == "met" and Figure("r", None, 0.6).verdict() == ""
     # Per-case targets: 0.3 of 0.29 is worse (1.03) than 0.5 of 0.57 (0.88).
     mem = Figure("m", {"1:4": 0.3, "2:4": 0.5}, {"1:4": 0.29, "2:4": 0.57})
