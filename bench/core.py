@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import sys
 import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 from distsparse.config import build_dataclass, parse_override
@@ -31,6 +33,12 @@ class Settings:
     quick: bool = False
     QUICK: ClassVar[dict[str, Any]] = {}
 
+    def one_of(self, **choices: Sequence[Any]) -> None:
+        """Refuse a field outside its choices, naming it and them (called from `__post_init__`)."""
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}: got {getattr(self, key)!r}; allowed: {', '.join(map(str, allowed))}")
+
     def at_least(self, **bounds: int) -> None:
         """Refuse a field below its bound, naming it (called from `__post_init__`)."""
         for key, least in bounds.items():
@@ -40,8 +48,10 @@ class Settings:
 
 def parse(cls: type[S], argv: Sequence[str] | None, description: str) -> tuple[S, str | None]:
     """(settings, JSON path) from `[--quick] [key=value ...] [--json PATH]`; the preset first, overrides on top."""
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "quick"]
-    p = argparse.ArgumentParser(description=description, epilog=f"keys: {', '.join(names)}")
+    keys = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls) if f.name != "quick")
+    module = cls.__module__ if cls.__module__ != "__main__" else f"bench.{Path(sys.argv[0]).stem}"
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                epilog=f"keys (full-size defaults): {keys}")
     p.add_argument("--quick", action="store_true", help=f"the smoke run: {cls.QUICK or 'the defaults'}")
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the results as JSON (the figures, machine and config)")
@@ -127,8 +137,6 @@ def finish(json_path: str | None, figures: Sequence[Figure], rest: dict[str, Any
 
 def progress(name: str, rank: int = 0) -> Callable[[str], None]:
     """A `log(msg)` that prints `name: [seconds] msg` to stderr on rank 0."""
-    import sys
-
     start = time.perf_counter()
 
     def log(msg: str) -> None:

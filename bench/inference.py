@@ -52,8 +52,7 @@ class InferenceSettings(Settings):
 
     def __post_init__(self) -> None:
         self.at_least(tokens=1, threads=1, warmup=0, repeats=1, gpu_warmup=0, gpu_iters=1)
-        if self.backend not in ("auto", "cusparselt", "cutlass"):
-            raise ValueError(f"backend: got {self.backend!r}; allowed: auto, cusparselt, cutlass")
+        self.one_of(backend=("auto", "cusparselt", "cutlass"))
 
     def configs(self) -> dict[str, ModelConfig]:
         return {size: load_config(None, [f"model.preset={size}"]).model for size in self.models.split(",")}

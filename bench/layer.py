@@ -49,8 +49,7 @@ class LayerSettings(Settings):
     QUICK = {"tokens": 64, "warmup": 1, "repeats": 3, "inner": 1}
 
     def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda") or self.dtype not in DTYPES:
-            raise ValueError(f"device, dtype: got {self.device!r}, {self.dtype!r}; allowed: cpu or cuda, fp32 or bf16")
+        self.one_of(device=("cpu", "cuda"), dtype=tuple(DTYPES))
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: got 'cuda'; no CUDA device is available")
         self.inner = self.inner or (20 if self.device == "cuda" else 1)

@@ -53,8 +53,7 @@ class OptimizerSettings(Settings):
     QUICK = {"model": "tiny", "vocab": 512, "warmup": 0, "repeats": 1, "eager": True}
 
     def __post_init__(self) -> None:
-        if self.model not in ("tiny", "60m", "130m", "350m"):
-            raise ValueError(f"model: got {self.model!r}; allowed: tiny, 60m, 130m, 350m")
+        self.one_of(model=("tiny", "60m", "130m", "350m"))
         self.counts_only = self.counts_only or self.model == "350m"
         self.at_least(warmup=0, repeats=1)
 

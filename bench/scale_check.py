@@ -61,9 +61,7 @@ class ScaleSettings(Settings):
     QUICK = {"model": "tiny"}
 
     def __post_init__(self) -> None:
-        for key, allowed in (("model", MODELS), ("grad_accum_mode", ("auto", *ACCUM_MODES))):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}: got {getattr(self, key)!r}; allowed: {', '.join(allowed)}")
+        self.one_of(model=MODELS, grad_accum_mode=("auto", *ACCUM_MODES))
         self.measure_dense = self.measure_dense or self.model == "tiny"
 
     @property

@@ -66,9 +66,7 @@ class TrainSettings(Settings):
         if any(r not in ROWS for r in rows) or REFERENCE not in rows or RATIO_ROW not in rows:
             raise ValueError(f"rows: got {self.rows!r}; allowed: a comma-separated subset of {', '.join(ROWS)} "
                              f"holding {REFERENCE} and {RATIO_ROW}")
-        if not (ROOT / "configs" / "model" / f"{self.model}.yaml").exists():
-            models = sorted(q.stem for q in (ROOT / "configs" / "model").glob("*.yaml"))
-            raise ValueError(f"model: got {self.model!r}; allowed: {', '.join(models)}")
+        self.one_of(model=sorted(q.stem for q in (ROOT / "configs" / "model").glob("*.yaml")))
 
     @property
     def row_list(self) -> list[str]:
