@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import statistics
-import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from bench.core import Figure, Settings, Timed, finish, parse
+from bench.core import Figure, Settings, Timed, finish, parse, progress
 from distsparse.config import ModelConfig, load_config
 from distsparse.models import llama_config, projection_names
 from distsparse.nm import NMSpec, mask_from_scores, random_mask
@@ -213,7 +213,7 @@ def gpu_size(cfg: ModelConfig, tile: tuple[int, int], warmup: int, iters: int, s
     return out
 
 
-def run_gpu(s: InferenceSettings, configs: dict[str, ModelConfig]) -> dict[str, Any]:
+def run_gpu(s: InferenceSettings, configs: dict[str, ModelConfig], log: Callable[[str], None]) -> dict[str, Any]:
     reason = gpu_skip_reason()
     if reason is not None:
         return {"skipped": reason}
@@ -224,7 +224,7 @@ def run_gpu(s: InferenceSettings, configs: dict[str, ModelConfig]) -> dict[str, 
     for size, cfg in configs.items():
         out["models"][size] = gpu_size(cfg, tile, s.gpu_warmup, s.gpu_iters, seed=0)
         torch.cuda.empty_cache()   # the engines of this size are garbage now
-        print(f"bench.inference: gpu {size} done", file=sys.stderr, flush=True)
+        log(f"gpu {size} done")
     return out
 
 
@@ -244,7 +244,7 @@ def projection(size: str, ratio: float, gpu: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     s, json_path = parse(InferenceSettings, argv, __doc__.split("\n\n")[0])
-    configs = s.configs()
+    configs, log = s.configs(), progress("bench.inference")
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     csr: dict[str, Any] = {}
@@ -254,10 +254,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
             for size, cfg in ({} if s.skip_csr else configs).items():
                 csr[size] = csr_ratio(cfg, s.tokens, s.warmup, s.repeats, gen)
-                print(f"bench.inference: csr {size} ratio {csr[size]['ratio']:.3f}", file=sys.stderr, flush=True)
+                log(f"csr {size} ratio {csr[size]['ratio']:.3f}")
     finally:
         torch.set_num_threads(threads)
-    gpu = run_gpu(s, configs)
+    gpu = run_gpu(s, configs, log)
 
     ratios = {size: c["ratio"] for size, c in csr.items()}
     flagged = [size for size, r in ratios.items() if not RATIO_RANGE[0] <= r <= RATIO_RANGE[1]]

@@ -9,7 +9,6 @@ bf16 weight (<= 0.29 at 1:4, 0.57 at 2:4). Why one thread, and what the bytes co
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bench.core import Figure, Settings, finish, paired_cpu_and_wall, parse
+from bench.core import Figure, Settings, finish, paired_cpu_and_wall, parse, progress
 from bench.memory import held_bytes, storage_bytes
 from distsparse.layers import NMSparseLinear
 from distsparse.layers.permutation import BlockPermutation
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device, dtype = torch.device(s.device), DTYPES[s.dtype]
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     shapes = QUICK_SHAPES if s.quick else SHAPES
-    gen = torch.Generator().manual_seed(0)
+    gen, log = torch.Generator().manual_seed(0), progress("bench.layer")
 
     ratios, cpu_ratios, ops_ratios, perm_ops_ratios, counts, rows = {}, {}, {}, {}, {}, []
     for in_f, out_f in shapes:
@@ -129,8 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ms = 1e3 / s.inner
                 rows.append([case, r["wall_b"] * ms, r["wall_a"] * ms, ratios[case], cpu_ratios[case],
                              counts[case]["linear"], counts[case]["nm"], ops_ratios[case], perm_ops_ratios[case]])
-                print(f"bench.layer: {case} ratio {ratios[case]:.3f} (cpu {cpu_ratios[case]:.3f}), ops "
-                      f"{ops_ratios[case]:.2f}", file=sys.stderr, flush=True)
+                log(f"{case} ratio {ratios[case]:.3f} (cpu {cpu_ratios[case]:.3f}), ops {ops_ratios[case]:.2f}")
 
     # Both ratios are the same at every shape up to the padding of the last code byte; report the worst one.
     cases = {f"{sp}-{lay}": NMSpec.parse(sp, lay) for sp in SPARSITIES for lay in LAYOUTS}

@@ -12,7 +12,6 @@ holds, why CPU seconds and why tensor bytes: docs/benchmarks.md.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from bench.core import Figure, Settings, finish, paired_cpu_and_wall, parse
+from bench.core import Figure, Settings, finish, paired_cpu_and_wall, parse, progress
 from bench.memory import LiveTensorBytes
 from distsparse.config import Config, load_config
 from distsparse.layers.fold import fold_permutations
@@ -128,14 +127,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     steps = {variant: train_step_fn(model, cfg, ids) for variant, (model, cfg) in models.items()}
     hard, none = models["hard"][0], models["none"][0]
-    ratios, wall_ratios, seconds, spread = {}, {}, {}, {}
+    ratios, wall_ratios, seconds, spread, log = {}, {}, {}, {}, progress("bench.permutation")
 
     def pair(key: str, with_perm: Callable, without: Callable, name_a: str, name_b: str) -> list[float]:
         r = paired_cpu_and_wall(with_perm, without, s.warmup, s.repeats)
         ratios[key], wall_ratios[key] = r["ratio"], r["wall_ratio"]
         seconds[name_a] = {"cpu": r["cpu_a"], "wall": r["wall_a"]}
         seconds[name_b] = {"cpu": r["cpu_b"], "wall": r["wall_b"]}
-        print(f"bench.permutation: {key} cpu {r['ratio']:.3f} wall {r['wall_ratio']:.3f}", file=sys.stderr, flush=True)
+        log(f"{key} cpu {r['ratio']:.3f} wall {r['wall_ratio']:.3f}")
         return [min(r["ratios"]), max(r["ratios"])]
 
     for variant in ("soft", "hard"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.core import Figure, Settings, finish, parse
+from bench.core import Figure, Settings, finish, parse, progress
 from bench.memory import fresh_peaks
 from distsparse.config import Config, load_config
 from distsparse.models import backbone_modules, backbone_param, build_model
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  for layout, cfg in ((lay, run_config(s.model, lay)) for lay in LAYOUTS)}
         memory = peaks.result()
 
-    ratios, seconds, stats, layouts = {}, {}, {}, {}
+    ratios, seconds, stats, layouts, log = {}, {}, {}, {}, progress("bench.topology")
     for layout, (cfg, engine, backbone) in built.items():
         engine.grad_buffer.normal_(generator=torch.Generator().manual_seed(s.seed))
         policy = TopologyPolicy(cfg.method.topology, TOTAL_STEPS, s.seed)
@@ -177,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "tans": dataclasses.asdict(engine.hp), "refresh": dataclasses.asdict(policy.params),
                            "update_interval": cfg.method.topology.update_interval, "t_end": policy.t_end,
                            "matrices": shape_counts(backbone)}
-        print(f"bench.topology: {layout} refresh/tans {ratios[layout]:.3f}", file=sys.stderr, flush=True)
+        log(f"{layout} refresh/tans {ratios[layout]:.3f}")
 
     config = {
         "quick": s.quick, "model": s.model, "vocab": VOCAB, "sparsity": "1:4", "threads": s.threads,
