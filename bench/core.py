@@ -56,7 +56,7 @@ def parse(cls: type[S], argv: Sequence[str] | None, description: str) -> tuple[S
     p.add_argument("--json", metavar="PATH", default=None,
                    help="also write the results as JSON (the figures, machine and config)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="a setting (keys below)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)   # settings before and after --json alike
     data: dict[str, Any] = dict(cls.QUICK) if args.quick else {}
     text_fields = {name for name, tp in typing.get_type_hints(cls).items() if tp is str}
     try:

@@ -39,7 +39,7 @@ class _Settings(Settings):
 
 def test_settings_take_the_quick_preset_then_the_overrides_and_refuse_bad_keys_and_types(capsys):
     assert parse(_Settings, [], "")[0] == _Settings()
-    s, path = parse(_Settings, ["--quick", "steps=3", "rows=8", "--json", "out.json"], "")
+    s, path = parse(_Settings, ["--quick", "steps=3", "--json", "out.json", "rows=8"], "")
     assert (s.quick, s.model, s.steps, s.rows, path) == (True, "tiny", 3, "8", "out.json")   # text taken as given
     for argv, words in ((["stepz=3"], "unknown config key 'stepz'"), (["steps=many"], "steps: got 'many'"),
                         (["steps=0"], "steps: got 0; allowed: >= 1")):
