@@ -1,9 +1,9 @@
 """Bytes per rank by part, from a model's shapes and the engine's own layout rules: the arithmetic behind
-`distsparse-train --dry-run` and the analytic columns of tools/scale_check.py (which measures the same parts on a
+`distsparse-train --dry-run` and the analytic columns of bench/scale_check.py (which measures the same parts on a
 real run and checks this against it). Nothing here starts a process group or allocates a model-sized tensor: the
 shapes come from a model built on the meta device (`build_on_meta`).
 
-Parts (DESIGN s6; tools/scale_check.py's docstring says how each is measured):
+Parts (DESIGN s6; bench/scale_check.py's docstring says how each is measured):
   dense side (DeepSpeed ZeRO-1/2 AdamW: embeddings, norms, LM head, branches), per parameter group of n params:
     module_copy      n x dtype bytes (DeepSpeed casts the module to bf16 when training in bf16)
     fp32_partition   4 x ceil(n / W)

@@ -1,5 +1,5 @@
 """What every report of the project prints and writes (DESIGN s6): the machine description, an aligned table and
-atomic JSON. The user tools in distsparse/cli and the benchmarks in tools/ (tools/benchlib.py) share them."""
+atomic JSON. The user tools in distsparse/cli and tools/ and the benchmarks in bench/ (bench/core.py) share them."""
 
 from __future__ import annotations
 

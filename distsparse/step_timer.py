@@ -8,7 +8,8 @@
 On CUDA a mark records an event on the current stream (no sync) and `read` waits for the last one: a logging step's
 one extra sync. Elsewhere a mark reads `perf_counter` (CPU ops run as they are dispatched). Disabled, a mark is one
 attribute test: no event, no clock read, no sync. `use_clock(fn)` measures with another monotone counter for a
-while (tools/bench_train.py: the OpCounter's op count, i.e. aten ops per phase).
+while (bench/train.py: the OpCounter's op count, i.e. aten ops per phase); `at_mark(phase, fn)` calls fn at a phase's
+mark for a while (bench/scale_check.py: bytes held after the backward, gradients included).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StepTimer:
         self.enabled = False
         self.clock: Callable[[], float] | None = None   # None: CUDA events or perf_counter
         self._points: list[tuple[str | None, object]] = []
+        self._probes: dict[str, Callable[[], None]] = {}
 
     @contextmanager
     def use_clock(self, clock: Callable[[], float]) -> Iterator[None]:
@@ -37,6 +39,17 @@ class StepTimer:
             yield
         finally:
             self.clock = None
+
+    @contextmanager
+    def at_mark(self, phase: str, fn: Callable[[], None]) -> Iterator[None]:
+        """Call `fn` right after each mark of `phase` on the timed steps inside the block (its time is charged to
+        the next phase)."""
+        assert phase in PHASES, phase
+        self._probes[phase] = fn
+        try:
+            yield
+        finally:
+            del self._probes[phase]
 
     def _events(self) -> bool:
         return self.cuda and self.clock is None
@@ -61,6 +74,8 @@ class StepTimer:
             return
         assert phase is None or phase in PHASES, phase
         self._points.append((phase, self._now()))
+        if phase in self._probes:
+            self._probes[phase]()
 
     def read(self) -> dict[str, float]:
         """Seconds per phase since `start` (every phase present, 0.0 when it did not run); {} when disabled.

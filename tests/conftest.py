@@ -34,7 +34,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def ranks2():
     """Two gloo ranks (OMP_NUM_THREADS=1) shared by every multi-rank test of the session."""
-    from rankpool import RankPool
+    from bench.ranks import RankPool
     pool = RankPool(2)
     yield pool
     pool.close()

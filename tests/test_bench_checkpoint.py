@@ -1,4 +1,4 @@
-"""tools/bench_checkpoint.py --quick (a subprocess: it starts its own world of one) writes every figure the issue
+"""bench/checkpoint.py --quick (a subprocess: it starts its own rank) writes every figure the issue
 names, and its byte counts match the layout arithmetic of the tiny model at 1:4 row-wise."""
 
 import json
@@ -24,7 +24,7 @@ HEADERS = 16 * 1024   # safetensors JSON header and per-matrix step counters
 def test_quick_bench_checkpoint_writes_every_named_figure(tmp_path):
     out = tmp_path / "bench_checkpoint.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench_checkpoint.py"), "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.checkpoint", "--quick", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     payload = json.loads(out.read_text())
@@ -47,4 +47,4 @@ def test_quick_bench_checkpoint_writes_every_named_figure(tmp_path):
     assert abs(payload["backbone_ckpt_bytes_over_dense"] - expected) < 0.01
     assert payload["backbone_ckpt_bytes_over_dense"] <= 0.30
     assert payload["ckpt_bytes_over_dense"] == sparse["total_bytes"] / dense["total_bytes"] < 1
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("backbone_files_only_over_dense")   # table last
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("load_seconds")   # the figures table last

@@ -1,4 +1,4 @@
-"""tools/bench_data.py --quick writes every figure issue 30 names; its runs prepare the same text 1x, 8x and as 8
+"""bench/data.py --quick writes every figure issue 30 names; its runs prepare the same text 1x, 8x and as 8
 parts (so their token counts are 1, 8 and 8 times one copy's), and its extrapolation follows from its own rates."""
 
 import json
@@ -21,8 +21,8 @@ def test_quick_bench_data_writes_the_named_figures_and_consistent_runs(tmp_path)
     text.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(20, 200)))
                                 for _ in range(400)))
     out = tmp_path / "bench_data.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench_data.py"), "--quick", "--text", str(text),
-                           "--vocab-size", "300", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "bench.data", "--quick", f"text={text}", "vocab_size=300",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     payload = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""tools/bench_inference.py (issue 9 item 4): --quick writes every named key, R_CSR covers one decoder layer's
+"""bench/inference.py (issue 9 item 4): --quick writes every named key, R_CSR covers one decoder layer's
 projections with their multiplicities and is the median of the per-round ratios, the 1:4 projection is
 S_2:4 x R_CSR, and on CPU the GPU part is skipped with its reason. On a GPU, the padded 2:4 layer computes what the
 dense layer computes."""
@@ -9,18 +9,18 @@ import statistics
 
 import pytest
 import torch
-from rankpool import import_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return import_tool("bench_inference")
+    from bench import inference
+    return inference
 
 
 def test_quick_bench_inference_writes_every_named_key(bench, tmp_path, capsys):
     out = tmp_path / "bench_inference.json"
     threads = torch.get_num_threads()
-    bench.main(["--quick", "--repeats", "2", "--gpu-iters", "2", "--json", str(out)])
+    bench.main(["--quick", "repeats=2", "gpu_iters=2", "--json", str(out)])
     assert torch.get_num_threads() == threads            # the CSR part's thread setting is restored
     payload = json.loads(out.read_text())
 
@@ -45,7 +45,7 @@ def test_quick_bench_inference_writes_every_named_key(bench, tmp_path, capsys):
                                              "semi-structured kernels are CUDA-only"}
     else:
         assert set(payload["gpu"]["models"]) == {"tiny", "small"}
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("small")   # table printed last
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("csr_ratio")   # figures printed last
 
 
 def test_projection_multiplies_the_csr_ratio_by_the_measured_or_the_paper_2of4_speedup(bench):

@@ -1,4 +1,4 @@
-"""tools/bench_layer.py --quick writes the JSON the issues name, with storage and memory ratios that match DESIGN
+"""bench/layer.py --quick writes the JSON the issues name, with storage and memory ratios that match DESIGN
 s3's byte counts (bf16 values + packed row codes or one motif byte per block), and its memory walker finds a tensor
 a module caches in any attribute."""
 
@@ -7,9 +7,11 @@ import json
 import math
 
 import torch
-from rankpool import import_tool
 
-QUICK_SHAPES = ((32, 48), (48, 32), (64, 96))   # (in, out), as in bench_layer.QUICK_SHAPES
+from bench import layer as bench_layer
+from bench.memory import held_bytes
+
+QUICK_SHAPES = ((32, 48), (48, 32), (64, 96))   # (in, out), as in bench/layer.py's QUICK_SHAPES
 
 
 def expected_storage_ratio(n, layout):
@@ -23,11 +25,10 @@ def expected_storage_ratio(n, layout):
 
 def test_quick_bench_layer_writes_every_named_figure(tmp_path, monkeypatch, capsys):
     # In-process: a subprocess would spend most of the test importing torch again.
-    bench_layer = import_tool("bench_layer")
     out = tmp_path / "bench_layer.json"
     threads = torch.get_num_threads()
     try:
-        bench_layer.main(["--quick", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+        bench_layer.main(["--quick", "warmup=0", "repeats=1", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())
@@ -53,7 +54,7 @@ def test_quick_bench_layer_writes_every_named_figure(tmp_path, monkeypatch, caps
         n, layout = int(key[0]), key.split("-")[1]
         assert abs(ratio - expected_storage_ratio(n, layout)) < 1e-12, key
         assert abs(payload["memory_ratio"][key] - expected_storage_ratio(n, layout)) < 1e-12, key
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("2:4-block/64x96")   # table printed last
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("storage_ratio")   # figures printed last
 
 
 @dataclasses.dataclass
@@ -63,7 +64,6 @@ class CachedIndex:
 
 
 def test_held_bytes_counts_parameters_buffers_and_tensors_cached_in_any_attribute():
-    held_bytes = import_tool("bench_layer").held_bytes
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     # Linear: weight 12 + bias 3 fp32; BatchNorm1d: weight, bias, running mean and var 3 each, int64 counter.
     base = 4 * (12 + 3) + 4 * 4 * 3 + 8

@@ -1,4 +1,4 @@
-"""tools/bench_optimizer.py --quick (a subprocess: it spawns its own 2 gloo ranks) writes every figure issue 4
+"""bench/optimizer.py --quick (a subprocess: it starts its own 2 gloo ranks) writes every figure issue 4
 names; its byte, state and balance figures equal a count made here from the tiny model's shapes with the layout
 arithmetic of DESIGN decision 2 (LPT owners on NS FLOPs, 128-aligned shards, ring collectives)."""
 
@@ -61,10 +61,11 @@ def per_rank(world_size: int, size) -> list[int]:
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench_optimizer.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/bench_optimizer.py"), "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.optimizer", "--quick", "--json", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("sent/rank/step"), "the table is printed last"
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("backbone_comm_bytes_over_dense_allreduce_fp32"), \
+        "the figures table is printed last"
     return json.loads(out.read_text())
 
 

@@ -1,4 +1,4 @@
-"""tools/bench_permutation.py --quick writes the four figures issue 8 names, with the memory ratio recomputed from the
+"""bench/permutation.py --quick writes the four figures issue 8 names, with the memory ratio recomputed from the
 measured peaks and the permutation parameter count from the tiny model's widths; its live-tensor counter against
 hand-counted bytes; and the performance fixes of distsparse/layers/permutation.py that the benchmark led to (one
 gather, or block product, per shared input; the gather kernel) against dense float64 references."""
@@ -9,23 +9,24 @@ import math
 import pytest
 import torch
 
+from bench.memory import LiveTensorBytes
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.layers.permutation_math import doubly_stochastic, l1_l2_penalty
-from rankpool import import_tool
 
 FIGURES = {"train_step_ratio_soft", "train_step_ratio_hard", "memory_ratio_soft", "infer_ratio_hard"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return import_tool("bench_permutation")
+    from bench import permutation
+    return permutation
 
 
 def test_quick_bench_permutation_writes_every_named_figure(bench, tmp_path, capsys):
     out = tmp_path / "bench_permutation.json"
     threads = torch.get_num_threads()
     try:
-        bench.main(["--quick", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+        bench.main(["--quick", "warmup=0", "repeats=1", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())
@@ -63,7 +64,7 @@ def test_quick_bench_permutation_writes_every_named_figure(bench, tmp_path, caps
 
 def test_live_tensor_bytes_counts_each_storage_from_allocation_to_free_and_keeps_the_peak(bench):
     held = torch.zeros(100)                                  # 400 bytes before the mode
-    tracker = bench.LiveTensorBytes()
+    tracker = LiveTensorBytes()
     tracker.hold([held, held[:10]])                          # a view shares the storage: counted once
     with tracker:
         a = torch.ones(1000)                                 # + 4000

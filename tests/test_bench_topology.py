@@ -1,4 +1,4 @@
-"""tools/bench_topology.py --quick writes the JSON issue 5 names; its refresh statistics match the zeta schedule
+"""bench/topology.py --quick writes the JSON issue 5 names; its refresh statistics match the zeta schedule
 of the paper (research/cht_topology.md s2b) on the tiny model's shapes, and its ratios are built from its raw
 seconds and bytes."""
 
@@ -7,7 +7,8 @@ import math
 import statistics
 
 import torch
-from rankpool import import_tool
+
+from bench import topology as bench
 
 # The tiny preset (configs/model/tiny.yaml defaults): hidden 64, FFN 176, 2 layers; (out, in) per projection.
 TINY_SHAPES = {"q_proj": (64, 64), "k_proj": (64, 64), "v_proj": (64, 64), "o_proj": (64, 64),
@@ -24,11 +25,10 @@ def expected_groups_selected(layout, step=100, total=10000, zeta0=0.1):
 
 def test_quick_bench_topology_writes_the_named_figures_from_its_raw_numbers(tmp_path, monkeypatch, capsys):
     # In-process: a subprocess would spend most of the test importing torch and transformers again.
-    bench = import_tool("bench_topology")
     out = tmp_path / "bench_topology.json"
     threads = torch.get_num_threads()
     try:
-        bench.main(["--quick", "--warmup", "0", "--repeats", "2", "--json", str(out)])
+        bench.main(["--quick", "warmup=0", "repeats=2", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     payload = json.loads(out.read_text())

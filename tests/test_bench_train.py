@@ -1,4 +1,4 @@
-"""tools/bench_train.py: --quick (its ranks run on the suite's shared 2-rank pool) writes every figure issue 9 names
+"""bench/train.py: --quick (its ranks run on the suite's shared 2-rank pool) writes every figure issue 9 names
 with the tiny model's FLOP count and the refresh amortization; the rank-combining and pairing arithmetic against
 hand-computed medians."""
 
@@ -7,7 +7,8 @@ import math
 import statistics
 
 import pytest
-from rankpool import import_tool, tool_runner
+
+from bench import train as bench_train
 
 ROWS = {"dense_adamw", "dense_muon", "dense_tans", "chtsnm_nobranch_1of4_row", "chts_muon_1of4_row",
         "chtsnm_nobranch_2of4_row"}
@@ -18,14 +19,13 @@ LAYERS, HIDDEN, FFN, VOCAB, SEQ, TOKENS = 2, 64, 176, 512, 64, 2 * 2 * 64
 
 @pytest.fixture
 def bench():
-    return import_tool("bench_train")
+    return bench_train
 
 
 
 def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, capsys):
-    runner = tool_runner(ranks2, "bench_train")
     out = tmp_path / "bench_train.json"
-    bench.main(["--quick", "--json", str(out)], runner=runner)
+    bench.main(["--quick", "--json", str(out)], pool=ranks2)
     payload = json.loads(out.read_text())
 
     assert {"tokens_per_s", "chts_1of4_tans_over_dense_adamw", "over_dense_adamw", "phases_s",
@@ -78,7 +78,8 @@ def test_quick_bench_train_writes_every_named_figure(bench, ranks2, tmp_path, ca
         assert bare <= payload["ops_per_fwd_bwd"][row] <= 1.5 * bare, (row, bare, payload["ops_per_fwd_bwd"][row])
     if payload["machine"]["gpu"] is None:
         assert set(payload["mfu"].values()) == {None} and "skipped" in payload["joules_per_token"]
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("CHTs 2:4 + TANS"), "the table is last"
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("chts_1of4_tans_over_dense_adamw"), \
+        "the figures table is last"
 
 
 def _bare_fwd_bwd_ops(method: str) -> int:

@@ -1,5 +1,5 @@
 """`--dry-run`'s memory plan (distsparse/memory_estimate.py): the tiny model's parts against a hand computation and
-the codes its real layers hold, the 350m plan on 2 ranks against the parts tools/scale_check.py measured
+the codes its real layers hold, the 350m plan on 2 ranks against the parts bench/scale_check.py measured
 (docs/results/scale_350m.json), and the CLI's table at 350m and 1b on 2, 8 and 64 ranks without a process
 group."""
 
@@ -99,7 +99,7 @@ def test_tiny_plan_follows_dtype_world_size_stage_and_checkpointing():
 
 
 def test_350m_plan_on_2_ranks_is_within_10_percent_of_the_measured_parts():
-    """docs/results/scale_350m.json: tools/scale_check.py --model 350m, measured (not rerun here)."""
+    """docs/results/scale_350m.json: bench/scale_check.py model=350m, measured (not rerun here)."""
     measured = json.loads((ROOT / "docs/results/scale_350m.json").read_text())
     run = measured["config"]
     plan, _ = _plan(run["world_size"], "model.preset=350m", f"model.vocab_size={run['vocab_size']}", "train.dtype=fp32",

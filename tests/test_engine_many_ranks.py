@@ -113,7 +113,7 @@ def _both_modes(rank, world_size, size, rule):
 
 @pytest.fixture(scope="module")
 def ranks8():
-    from rankpool import RankPool
+    from bench.ranks import RankPool
     pool = RankPool(8)
     yield pool
     pool.close()

@@ -47,11 +47,11 @@ def test_plan_lists_every_step_with_its_command_and_the_limits_fit_in_eight_minu
     train = lines["train_check"]
     assert all(a in train for a in ("tools/gpu_train_check.py", "--model 60m", "--steps 30", "--save-at 15",
                                     "engine.force_collectives=true"))
-    assert "--device cuda --dtype bf16" in lines["bench_layer"]
-    assert "--skip-csr" in lines["bench_inference"] and "--models 60m,350m" in lines["bench_inference"]
+    assert "-m bench.layer device=cuda dtype=bf16" in lines["bench_layer"]
+    assert "skip_csr=true" in lines["bench_inference"] and "models=60m,350m" in lines["bench_inference"]
     for size in ("60m", "350m"):
-        assert f"--model {size}" in lines[f"bench_train_{size}"]
-        assert "--rows dense_adamw,chtsnm_nobranch_1of4_row" in lines[f"bench_train_{size}"]
+        assert f"model={size}" in lines[f"bench_train_{size}"]
+        assert "rows=dense_adamw,chtsnm_nobranch_1of4_row" in lines[f"bench_train_{size}"]
     assert not out.exists()   # a plan writes nothing
 
 
@@ -198,14 +198,17 @@ def test_the_resume_comparison_flags_any_difference():
 
 
 def test_bench_train_rows_select_the_compared_methods_and_keep_the_reference():
-    parse = import_tool("bench_train").parse_args
-    assert parse([]).rows == ["dense_adamw", "dense_muon", "dense_tans", "chtsnm_nobranch_1of4_row",
-                              "chts_muon_1of4_row", "chtsnm_nobranch_2of4_row"]
-    assert parse(["--rows", "dense_adamw,chtsnm_nobranch_1of4_row"]).rows == ["dense_adamw",
-                                                                               "chtsnm_nobranch_1of4_row"]
+    from bench.core import parse
+    from bench.train import TrainSettings
+
+    assert parse(TrainSettings, [], "")[0].row_list == ["dense_adamw", "dense_muon", "dense_tans",
+                                                        "chtsnm_nobranch_1of4_row", "chts_muon_1of4_row",
+                                                        "chtsnm_nobranch_2of4_row"]
+    chosen = parse(TrainSettings, ["rows=dense_adamw,chtsnm_nobranch_1of4_row"], "")[0]
+    assert chosen.row_list == ["dense_adamw", "chtsnm_nobranch_1of4_row"]
     for bad in ("chtsnm_nobranch_1of4_row", "dense_adamw", "dense_adamw,chtsnm_nobranch_1of4_row,nope"):
         with pytest.raises(SystemExit):
-            parse(["--rows", bad])
+            parse(TrainSettings, [f"rows={bad}"], "")
 
 
 def test_a_step_json_in_another_shape_still_brings_every_file_back_and_fails_the_check(gpu_check, tmp_path,

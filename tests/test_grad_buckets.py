@@ -1,4 +1,4 @@
-"""Gradient buckets (distsparse/optim/grad_buckets.py): the layout both accumulation modes and tools/scale_check.py
+"""Gradient buckets (distsparse/optim/grad_buckets.py): the layout both accumulation modes and bench/scale_check.py
 share, the rule behind engine.grad_accum_mode=auto, its config errors, and the trainer in both modes (exact resume,
 gradient accumulation k x 1 == 1 x k)."""
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from rankpool import import_tool
+from bench.memory import held_bytes
+from distsparse.op_count import count_ops
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
@@ -88,7 +89,6 @@ def test_outputs_and_gradients_are_bit_identical_to_the_flat_index_arithmetic(sp
 
 def aten_ops(module, x, grad_y):
     """Aten ops (views included) of one warm forward + backward, counted by the benchmarks' counter."""
-    count_ops = import_tool("benchlib").count_ops
 
     def step():
         x.grad = None
@@ -145,7 +145,6 @@ def test_a_forward_and_backward_decompress_the_weight_once(spec):
     # The decompression (nm.decompress_groups) is one mul of the values by one-hot rows at N = 1, new_zeros +
     # scatter_ above; a backward rebuilding W would add a second. The codes are looked up twice (forward's
     # decompression, backward's gather): a cast and an embedding each.
-    count_ops = import_tool("benchlib").count_ops
     layer = NMSparseLinear(16, 12, spec)
     x = torch.randn(5, 16, requires_grad=True)
     layer(x).sum().backward()   # the lookup tables are built on a first call
@@ -214,7 +213,6 @@ def state_bytes(module):
 @pytest.mark.parametrize("sparsity, bound", [("1:4", 0.29), ("2:4", 0.57), ("3:4", None)])
 @pytest.mark.parametrize("in_f, out_f", [(40, 24), (512, 1376)])
 def test_a_trained_layer_holds_bf16_values_plus_packed_codes_and_nothing_else(layout, sparsity, bound, in_f, out_f):
-    held_bytes = import_tool("bench_layer").held_bytes
     spec = NMSpec.parse(sparsity, layout)
     k = in_f * spec.n // 4
     layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """The dispatch counter (distsparse/op_count.py) on known sequences, and what it shows of the matrix engine: a
 steady step's ops grow with the number of shape groups, not of matrices, with no host sync; counts on the meta device
-(how tools/bench_optimizer.py counts at 350m shapes) equal the CPU counts."""
+(how bench/optimizer.py counts at 350m shapes) equal the CPU counts."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Progress that stays true (issue 26 item 2): the window rate and ETA with numbers, the FLOPs convention against a
-hand count, MFU of the trainer equal to tools/bench_train.py's for the same step time, and a 2-rank run preempted
+hand count, MFU of the trainer equal to bench/train.py's for the same step time, and a 2-rank run preempted
 at step 2 and resumed to step 4: tokens seen from the data state, rate and ETA from the resumed process's own
 steps, the names in TensorBoard."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from preempt import signal_during_step
-from rankpool import import_tool
+from bench import train as bench
 
 from distsparse.config import load_config
 from distsparse.models import build_model
@@ -91,7 +91,6 @@ def test_peak_table_matches_device_names_and_assumes_none_elsewhere():
 
 
 def test_trainer_and_bench_train_give_the_same_mfu_for_the_same_step_time():
-    bench = import_tool("bench_train")
     model = _model("chtsnm_nobranch_1of4_row")
     tokens = GLOBAL_BATCH * SEQ
     w = StepWindow(20, start_time=0.0)
@@ -119,7 +118,6 @@ class _Lines(logging.Handler):
 
 def _train(rank, world_size, data_dir, out_dir, overrides, stop_after=None, peak=None):
     import distsparse.train.trainer as trainer_module
-    bench = import_tool("bench_train")
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"] + overrides)
     lines, logger = _Lines(), logging.getLogger("distsparse")
     level = logger.level
@@ -155,7 +153,6 @@ def data_dir(tmp_path_factory):
 
 
 def test_resumed_run_counts_tokens_from_the_data_state_and_times_its_own_steps(ranks2, data_dir, tmp_path):
-    bench = import_tool("bench_train")
     first = ranks2.run(_train, data_dir, str(tmp_path), [], 2)
     assert all(r["preempted"] and r["step"] == 2 for r in first)
     resumed = ranks2.run(_train, data_dir, str(tmp_path), ["checkpoint.resume=auto"], None, H200)

@@ -1,6 +1,6 @@
 """The H200 roofline (distsparse/perf/roofline.py) on hand-made traces against numbers worked out by hand, the tracer
 (distsparse/perf/trace.py) on ops of known size, the simulated world against the engine's layout, and a smoke run
-of tools/estimate_h200.py --quick (a subprocess) writing its JSON."""
+of bench/estimate_h200.py --quick (a subprocess) writing its JSON."""
 
 import json
 import subprocess
@@ -117,7 +117,7 @@ def test_simulated_world_records_collectives_and_lays_the_engine_out_for_every_r
 
 def test_estimate_h200_quick_writes_the_figures_it_prints(tmp_path):
     out = tmp_path / "est.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/estimate_h200.py"), "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.estimate_h200", "--quick", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -138,8 +138,8 @@ def test_estimate_h200_quick_writes_the_figures_it_prints(tmp_path):
 
 
 def test_estimate_h200_refuses_bad_arguments_naming_them():
-    for argv, words in ((["--world-sizes", "0"], "--world-sizes: got [0]"), (["--models", "7b"], "--models: got '7b'")):
-        proc = subprocess.run([sys.executable, str(ROOT / "tools/estimate_h200.py"), *argv], capture_output=True,
+    for argv, words in ((["world_sizes=0"], "world_sizes: got '0'"), (["models=7b"], "models: got '7b'")):
+        proc = subprocess.run([sys.executable, "-m", "bench.estimate_h200", *argv], capture_output=True,
                               text=True, timeout=120, cwd=ROOT)
         assert proc.returncode == 2 and words in proc.stderr and "allowed" in proc.stderr
 

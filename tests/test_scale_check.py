@@ -1,4 +1,4 @@
-"""tools/scale_check.py --model tiny (its ranks run on the suite's shared 2-rank pool): a 1:4 model built on the meta
+"""bench/scale_check.py --quick (model=tiny) (its ranks run on the suite's shared 2-rank pool): a 1:4 model built on the meta
 device trains 3 steps with one refresh, and the bytes by part match the layout arithmetic of the tiny model; the
 analytic accounting (the engine's own layout rules from the config's shapes) equals the measured 1:4 run and a
 measured dense AdamW run part by part; at W = 64 sharded accumulation holds at most 1/32 of full mode's gradient
@@ -7,7 +7,8 @@ bytes per rank (issue 19)."""
 import json
 
 import pytest
-from rankpool import import_tool, tool_runner
+
+from bench import scale_check
 
 # The tiny model (configs/model/tiny.yaml): 2 layers of q, k, v, o [64, 64], gate, up [176, 64], down [64, 176].
 LAYERS, HIDDEN, FFN, MATRICES = 2, 64, 176, 14
@@ -20,14 +21,13 @@ DENSE_SIDE = 2 * VOCAB * HIDDEN + (2 * LAYERS + 1) * HIDDEN   # untied embedding
 
 @pytest.fixture
 def tool():
-    return import_tool("scale_check")
+    return scale_check
 
 
 
 def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, ranks2, tmp_path, capsys):
-    runner = tool_runner(ranks2, "scale_check")
     out = tmp_path / "scale.json"
-    tool.main(["--model", "tiny", "--json", str(out)], runner=runner)
+    tool.main(["--quick", "--json", str(out)], pool=ranks2)
     payload = json.loads(out.read_text())
 
     assert {"peak_rss_gb_per_rank", "backbone_state_bytes_over_dense_adamw", "model_state_bytes_per_rank",
@@ -87,7 +87,8 @@ def test_tiny_scale_check_trains_with_a_refresh_and_counts_bytes_by_part(tool, r
             full, sharded = table[f"W={w} full"], table[f"W={w} sharded"]
             assert sharded["grad_buffer"] * w <= full["grad_buffer"] * 1.05, (model, w)
             assert sharded["backbone_state_over_dense_adamw"] <= 0.27, (model, w)
-    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("1b"), "analytic table last"
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("grad_bytes_W64_sharded_over_full_1b"), \
+        "the figures table last"
 
 
 def test_index_cache_counts_every_tensor_a_layer_holds_besides_values_and_codes(tool):

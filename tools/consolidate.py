@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchlib import print_table
+from distsparse.report import print_table
 from distsparse.checkpoint.files import save_safetensors
 from distsparse.checkpoint.model import load_trained_model
 from distsparse.eval.hf_weights import hf_state_dict, unfoldable

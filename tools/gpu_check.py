@@ -12,15 +12,15 @@ Steps, each a subprocess (and its children) under its own time limit; the limits
   train_check       tools/gpu_train_check.py: the real Trainer on NCCL, 60m (vocab 32000), 30 steps with topology
                     refreshes, a checkpoint at 15 and a resume that must continue bit-identically, with the matrix
                     engine's collectives forced at one rank (engine.force_collectives=true)
-  bench_layer       tools/bench_layer.py in bf16 on the GPU
-  bench_inference   tools/bench_inference.py, 60m and 350m forwards with the 2:4 kernels
-  bench_train_60m   tools/bench_train.py, dense AdamW against CHTs 1:4 + TANS (tokens/s ratio, MFU, phases)
+  bench_layer       bench/layer.py in bf16 on the GPU
+  bench_inference   bench/inference.py, 60m and 350m forwards with the 2:4 kernels
+  bench_train_60m   bench/train.py, dense AdamW against CHTs 1:4 + TANS (tokens/s ratio, MFU, phases)
   bench_train_350m  the same at 350m
 Time limits (issue 25 item 6): each step's limit is its expected seconds on a cold one-H200 machine times MARGIN,
 rounded up to 5 s (`BUDGET` holds the figures and where each comes from); the limits, the CUDA probe's and
 PACKAGING_S add up to at most 8 minutes, checked before anything runs. Measured on this project's 2-core CPU
 machine under load (2026-12-03): `import torch, deepspeed, submitit` + the Trainer 8.5 s; build_model 60m 2.2 s,
-350m 8.9 s (one thread); `bench_train --model 60m --nproc 1` (tiny batches) 41 s wall, of which 27 s to build and
+350m 8.9 s (one thread); `bench.train model=60m nproc=1` (tiny batches) 41 s wall, of which 27 s to build and
 start the first Trainer (DeepSpeed init included), 1 s the second, 5 s a refresh. The GPU parts (CUDA context, the
 timed steps) are estimates: no GPU has measured them yet. GPU steps run with NCCL_DEBUG=WARN (unless the caller
 set it), so a NCCL failure says why. Any failure (a step that cannot start, a CUDA probe that hangs, an error in
@@ -112,8 +112,7 @@ def plan(py: str, work: Path) -> list[Step]:
     gpu_files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
                        if "pytest.mark.gpu" in p.read_text())
     install_env = {"PIP_BREAK_SYSTEM_PACKAGES": "1", "PIP_NO_INPUT": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    bench_train = [py, "tools/bench_train.py", "--rows", RATIO_ROWS, "--steps", "8", "--warmup", "2",
-                   "--micro-batch", "64"]
+    bench_train = [py, "-m", "bench.train", f"rows={RATIO_ROWS}", "steps=8", "warmup=2", "micro_batch=64"]
     return [
         budgeted("install_wheels", [py, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS),
                                     *PACKAGES], "install the carried wheels, no index", needs_cuda=False,
@@ -131,15 +130,15 @@ def plan(py: str, work: Path) -> list[Step]:
                                  "--json", str(work / "train_check.json"), "--model", "60m", "--steps", "30",
                                  "--save-at", "15", "--refresh-interval", "10", "engine.force_collectives=true"],
              "Trainer on NCCL: refresh, checkpoint, bit-identical resume", json="train_check.json"),
-        budgeted("bench_layer", [py, "tools/bench_layer.py", "--device", "cuda", "--dtype", "bf16",
+        budgeted("bench_layer", [py, "-m", "bench.layer", "device=cuda", "dtype=bf16",
                                  "--json", str(work / "bench_layer_gpu.json")], "NMSparseLinear vs nn.Linear, bf16",
              json="bench_layer_gpu.json"),
-        budgeted("bench_inference", [py, "tools/bench_inference.py", "--models", "60m,350m", "--skip-csr",
+        budgeted("bench_inference", [py, "-m", "bench.inference", "models=60m,350m", "skip_csr=true",
                                      "--json", str(work / "bench_inference_gpu.json")], "2:4 kernel forwards",
              json="bench_inference_gpu.json"),
-        budgeted("bench_train_60m", [*bench_train, "--model", "60m", "--json", str(work / "bench_train_60m.json")],
+        budgeted("bench_train_60m", [*bench_train, "model=60m", "--json", str(work / "bench_train_60m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 60m", json="bench_train_60m.json"),
-        budgeted("bench_train_350m", [*bench_train, "--model", "350m", "--json", str(work / "bench_train_350m.json")],
+        budgeted("bench_train_350m", [*bench_train, "model=350m", "--json", str(work / "bench_train_350m.json")],
              "dense AdamW vs CHTs 1:4 + TANS, 350m", json="bench_train_350m.json"),
     ]
 
@@ -325,7 +324,7 @@ def figures(steps: list[Step], outcomes: list[Outcome], work: Path) -> dict[str,
         "shares": "optimizer_share_of_step = optimizer / step; backbone_step_share_of_step = backbone_step / "
                   "step, which for the CHTs 1:4 + TANS row is tans_share_of_step_<size> (the TANS rule step, "
                   "refresh excluded); refresh_share_of_step = amortized refresh / (step + it) "
-                  "(tools/bench_train.py phases, medians)",
+                  "(bench/train.py phases, medians)",
     }
     return out
 

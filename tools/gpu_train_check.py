@@ -11,7 +11,7 @@ state_dict: values, codes, dense side; matrix engine state_dict: fp32 masters an
 requested (torch.use_deterministic_algorithms, warn_only, and CUBLAS_WORKSPACE_CONFIG) so that a difference is a
 resume defect, not an atomic-add race; attention runs on SDPA's math backend, as flash and memory-efficient
 attention keep their non-deterministic backward (atomic dQ accumulation) when determinism is only warned about.
-The data is a synthetic token stream (uniform tokens, tools/bench_train.py) written on the spot at the model's
+The data is a synthetic token stream (uniform tokens, bench/synthetic.py) written on the spot at the model's
 vocabulary (32000 for the named sizes).
 
     python tools/gpu_train_check.py --out DIR --json check.json [--model 60m] [--steps 30] [--save-at 15] \\
@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from bench_train import write_synthetic_data
-from benchlib import machine_info, print_table, write_json
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # bench/ of the checkout: the benchmarks' synthetic data writer
+
+from bench.synthetic import write_synthetic_data  # noqa: E402
+from distsparse.report import machine_info, print_table, write_json  # noqa: E402
 METHOD = "chtsnm_nobranch_1of4_row"   # CHTs 1:4 + TANS: backbone rule state and topology refreshes
 
 
@@ -109,19 +110,15 @@ def train(cfg, ds_config: dict) -> dict:
     trainer = Trainer(cfg, ds_config)
     losses: dict[int, float] = {}
     refreshes: list[int] = []
-    inner = trainer.train_step
 
-    def recorded(batches):
-        metrics = inner(batches)
-        losses[trainer.step + 1] = metrics["loss/train"]
-        if any(k.startswith("topology/") for k in metrics):
-            refreshes.append(trainer.step + 1)
-        return metrics
+    def record(step: int, report) -> None:
+        losses[step] = report.metrics["loss/train"]
+        if any(k.startswith("topology/") for k in report.metrics):
+            refreshes.append(step)
 
-    trainer.train_step = recorded
     start = time.perf_counter()
     try:
-        result = trainer.train()
+        result = trainer.train(on_step=record)
         seconds = time.perf_counter() - start
         digest = state_hash(trainer)
         device = str(trainer.device)

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from benchlib import add_json_arg, machine_info, print_table, write_json
+from distsparse.report import add_json_arg, machine_info, print_table, write_json
 from distsparse.eval.perplexity import loss_sums, perplexity
 from distsparse.data.shards import TokenStream, split_files
 from distsparse.nm import NMSpec

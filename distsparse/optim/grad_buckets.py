@@ -1,5 +1,5 @@
 """Backbone gradients between backward and the update: the bucket layout (one pure function, shared by the matrix
-engine and tools/scale_check.py) and the two ways a rank accumulates them over the micro-batches of a step
+engine and bench/scale_check.py) and the two ways a rank accumulates them over the micro-batches of a step
 (`engine.grad_accum_mode`).
 
     full     An fp32 buffer of W equal shards per bucket on every rank (shard r: rank r's matrices of the bucket,

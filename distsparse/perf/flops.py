@@ -1,4 +1,4 @@
-"""FLOPs of a training step and model FLOP utilization (MFU): the one convention tools/bench_train.py and the
+"""FLOPs of a training step and model FLOP utilization (MFU): the one convention bench/train.py and the
 trainer's log (distsparse/train/progress.py) both use.
 
 Convention (PaLM App. B; nanoGPT's `estimate_mfu`), per token of a step:

@@ -1,5 +1,5 @@
 """Op traces of the pieces of one training step of a rank, as an H200 run would ask for them (issue 25 item 5; read by
-tools/estimate_h200.py, estimated by distsparse/perf/roofline.py).
+bench/estimate_h200.py, estimated by distsparse/perf/roofline.py).
 
 What runs where:
   forward+backward   the model of the run (transformers' LlamaForCausalLM with the method's projections, cast to
@@ -12,7 +12,7 @@ What runs where:
   refresh            the engine's refresh phase (`MatrixEngine._refresh`: every owned sparse matrix refreshed, state
                      moved, codes distributed) on the CPU with real values (its selection reads counts on the host,
                      which the meta device cannot), at a few layers of the preset's widths: `refresh_per_matrix`
-                     extrapolates it per matrix (a refresh is per matrix; tools/estimate_h200.py checks linearity)
+                     extrapolates it per matrix (a refresh is per matrix; bench/estimate_h200.py checks linearity)
   joint scalars      the joint step's one all-reduce of its 4 float64 scalars (joint_step.py phase 2), sparse rows
   dense side         DeepSpeed ZeRO-2's step as a dense user runs it, replayed op by op on meta (DeepSpeed cannot be
                      built on meta): per micro-batch each dense gradient copied into the contiguous bf16 bucket and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -182,6 +183,14 @@ class Trainer:
         """Optimizer step `taken` (1-based) logs: the norm, the rule's statistics and the phase times."""
         return taken % self.cfg.train.log_interval == 0 or taken == self.cfg.train.steps
 
+    def seek(self, step: int) -> None:
+        """Take the next optimizer step as step `step` + 1 of the schedules (lr, topology refresh, penalties) without
+        training the steps between: benchmarks time one step at a chosen point of a run (bench/train.py: a refresh
+        step at T_end / 2). Model, optimizer state and data order stay as they are."""
+        if not 0 <= step < self.cfg.train.steps:
+            raise ValueError(f"step: got {step}; allowed: 0 .. {self.cfg.train.steps - 1} (train.steps - 1)")
+        self.step = step
+
     def step_once(self, timed: bool | None = None) -> StepReport:
         """One full optimizer step: this step's inputs (prefetched), `train_step`, the next step's inputs started;
         advances `self.step`. The report carries the phase times (`timings`, step_timer.py) on logging steps, or
@@ -289,7 +298,9 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
+    def train(self, on_step: Callable[[int, StepReport], None] | None = None) -> TrainResult:
+        """Train to `train.steps`: steps, evaluation, logging, checkpoints, preemption. `on_step(step, report)` runs
+        after every optimizer step (a caller that records the run, e.g. tools/gpu_train_check.py)."""
         cfg = self.cfg
         out_dir = Path(cfg.train.out_dir)
         counts = parameter_counts(self.model)
@@ -308,6 +319,8 @@ class Trainer:
             t0 = time.perf_counter()
             report = self.step_once()
             step_time = time.perf_counter() - t0
+            if on_step is not None:
+                on_step(self.step, report)
             window.add(step_time, tokens_per_step, time.perf_counter())
             metrics = {**report.metrics, **report.timings, "time/step_s": step_time, "memory/peak_gb": peak_memory_gb(),
                        **progress_metrics(window, tokens_seen=self.inputs.consumed_samples * cfg.data.seq_len,
