@@ -21,7 +21,7 @@ import torch
 from distsparse import dist as ddist
 from distsparse.config import load_config
 from distsparse.models import PROJECTIONS, build_model, projection_names
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "broadcast")

@@ -37,7 +37,7 @@ def _overrides(data_dir, out_dir, extra=()):
 
 def _train(rank, world_size, data_dir, out_dir, extra=()):
     """A Trainer as launch/pretrain.py builds one; returns the step it starts at (after any resume) or trains to."""
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, _overrides(data_dir, out_dir, extra))
     trainer = Trainer(cfg, build_ds_config(str(ROOT / "configs/ds/zero2.json"), cfg))
