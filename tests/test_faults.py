@@ -232,13 +232,13 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_the_one_resu
     not yet): the temp directory is left behind, `latest` and auto still name step 2."""
     from distsparse.checkpoint import CheckpointManager
     script = ("import os, signal, sys\n"
-              "from distsparse.checkpoint import manager\n"
-              "write = manager.CheckpointManager._write_rank_files\n"
-              "def killed(self, tmp, engine):\n"
-              "    if tmp.name.endswith('step00000004'):\n"
+              "from distsparse.checkpoint.parts import BackbonePart\n"
+              "write = BackbonePart.save\n"
+              "def killed(self, folder):\n"
+              "    if folder.name.endswith('step00000004'):\n"
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return write(self, tmp, engine)\n"
-              "manager.CheckpointManager._write_rank_files = killed\n"
+              "    return write(self, folder)\n"
+              "BackbonePart.save = killed\n"
               "from distsparse.cli.pretrain import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))

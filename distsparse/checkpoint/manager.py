@@ -1,19 +1,22 @@
 """Sharded, atomic checkpoints: save, find (verified, agreed on by every rank) and load, part by part.
 
-Layout of `root/` (DESIGN decision 6):
+What goes in are the parts registered by name (checkpoint/parts.py; the trainer registers run, data, dense,
+backbone, registry, rng in that order); save and load walk them in the order registered. Layout of `root/`
+(DESIGN decision 6), with the part that writes each file:
 
     latest                          tag of the newest complete checkpoint, written last (tmp + rename)
     step00000120/
-      manifest.json                 rank 0: format, world size, owner map, step, consumed samples, config,
-                                    tokenizer checksum, NS coefficients, FFN rounding; every other file with its
-                                    size, sha256 and the rank that wrote (and hashed) it; its own digest
-      backbone/rank00000.safetensors  each rank: fp32 master, codes and rule state of the matrices it owns
-      dense_state.safetensors       rank 0: the dense side's fp32 masters and Adam moments by parameter name,
-                                    so a run can resume on another world size (ZeRO files are per-partition)
-      registry.safetensors          rank 0: state of registered components (e.g. permutations)
-      rng/rank00000.json            each rank: python, numpy and torch RNG states
-      mp_rank_00_model_states.pt    DeepSpeed, written by its data-parallel writer (rank 0)
-      zero_pp_rank_<r>_mp_rank_00_optim_states.pt   DeepSpeed, rank r's ZeRO partition (bf16_ prefix in bf16)
+      manifest.json                 rank 0: format, world size, step (the manager); config, tokenizer checksum,
+                                    NS coefficients, FFN rounding, batch plan (run); consumed samples (data);
+                                    owner map (backbone); every other file with its size, sha256 and the rank
+                                    that wrote (and hashed) it; its own digest
+      backbone/rank00000.safetensors  backbone, each rank: fp32 master, codes and rule state of its matrices
+      dense_state.safetensors       dense, rank 0: the dense side's fp32 masters and Adam moments by parameter
+                                    name, so a run can resume on another world size (ZeRO files are per-partition)
+      registry.safetensors          registry, rank 0: the method hooks' saved state (e.g. permutations)
+      rng/rank00000.json            rng, each rank: python, numpy and torch RNG states
+      mp_rank_00_model_states.pt    dense: DeepSpeed, written by its data-parallel writer (rank 0)
+      zero_pp_rank_<r>_mp_rank_00_optim_states.pt   dense: DeepSpeed, rank r's ZeRO partition (bf16_ prefix in bf16)
 
 A checkpoint is written under `.tmp-<tag>/`, made durable, then renamed: a crash mid-save leaves the previous
 checkpoint as `latest`. Each rank hashes the files it wrote; the digests are gathered into the manifest. Before
