@@ -5,7 +5,7 @@
     manifest.py  the manifest and the checks made before anything is loaded
     manager.py   CheckpointManager: collective save, find (verified, agreed on by every rank), load, walking the
                  parts registered by name
-    parts.py     the Part protocol and the generic parts: backbone shards, method registry, RNG
+    parts.py     the Part base and the generic parts: backbone shards, method registry, RNG
     compat.py    the saved run's config against the resuming run's, before any process group starts
     model.py     the training model of a checkpoint, from the project's own files
 """

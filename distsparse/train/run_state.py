@@ -23,6 +23,8 @@ log = logging.getLogger("distsparse")
 
 
 class RunPart(Part):
+    """The run's settings in the manifest; on load the checks before any state (module docstring)."""
+
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
@@ -51,6 +53,8 @@ class RunPart(Part):
 
 
 class DataPart(Part):
+    """The data position: the sampler's `consumed_samples` as the optimizer steps have consumed them."""
+
     def __init__(self, inputs: StepInputs):
         self.inputs = inputs
 
