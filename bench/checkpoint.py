@@ -48,7 +48,7 @@ def module_backbone_bytes(trainer) -> int:
 
 
 def measure(s: CheckpointSettings, method: str, data_dir: str, work: Path) -> dict[str, Any]:
-    from distsparse.train.ds_config import resolve_dtype
+    from distsparse.train.deepspeed.config import resolve_dtype
 
     overrides = [f"model.preset={s.model}", f"model.vocab_size={VOCAB}", f"method.preset={method}",
                  f"data.dir={data_dir}", f"data.seq_len={s.seq_len}", f"train.steps={s.steps}", "train.micro_batch=1",

@@ -24,22 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from distsparse.utils import storage_bytes   # the one byte count (DESIGN s6), also the DeepSpeed side's
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set | None = None) -> int:
-    """Bytes of the storages behind `tensors` not already in `seen` (which collects them); None and meta skipped."""
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        if t is None or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        key = (t.device, storage.data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def held_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -115,7 +115,7 @@ class _Rank:
 
         from distsparse.config import load_config
         from distsparse.optim import MuonHParams, TansHParams
-        from distsparse.train.ds_config import build_ds_config
+        from distsparse.train.deepspeed.config import build_ds_config
 
         self.rank, self.s, self.sync = rank, s, dist.barrier
         self.progress = progress("bench.optimizer", rank)
@@ -173,7 +173,7 @@ class _Rank:
 
         from distsparse.models import backbone_modules, build_model
         from distsparse.optim.engine import MatrixEngine
-        from distsparse.train.ds_config import build_ds_config
+        from distsparse.train.deepspeed.config import build_ds_config
         from distsparse.train.trainer import dense_side_parameters
         if self.sparse is not None:
             return

@@ -73,16 +73,7 @@ class ScaleSettings(Settings):
 
 def dense_side_bytes(trainer, seen: set) -> dict[str, int]:
     """DeepSpeed ZeRO-2's model state on this rank (call after backward, before engine.step)."""
-    from distsparse.train.trainer import dense_side_parameters
-
-    opt = trainer.engine.optimizer
-    params = [p for group in dense_side_parameters(trainer.model, trainer.backbone) for p in group["params"]]
-    moments = [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    grads = [g for group in opt.averaged_gradients.values() if group for g in group]   # {group index: [grads]}
-    return {"module_copy": storage_bytes(params, seen),
-            "fp32_partition": storage_bytes(opt.single_partition_of_fp32_groups, seen),
-            "moments": storage_bytes(moments, seen),
-            "grad_partition": storage_bytes(grads, seen)}
+    return trainer.joint.dense.state_bytes(seen)
 
 
 def index_cache_bytes(layers: Iterable[torch.nn.Module], seen: set) -> int:

@@ -15,7 +15,7 @@ def build_trainer(overrides: list[str], *, torch_adam: bool = False, bucket_elem
     import deepspeed  # noqa: F401  (imported before the trainer, as launch/pretrain.py does)
 
     from distsparse.config import load_config
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
     from distsparse.train.trainer import Trainer
 
     cfg = load_config(None, overrides)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def hash_seed(text: str) -> int:
@@ -43,3 +47,20 @@ def config_differences(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
         if values[0] != values[1]:
             differences[key] = values
     return differences
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set | None = None) -> int:
+    """Bytes of the storages behind `tensors` (an iterable; None entries skipped) not already in `seen`, which
+    this adds them to: views and aliases count once, across calls that share `seen` (DESIGN s6). Meta tensors hold
+    no bytes."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distsparse.config import load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,10 +9,11 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.models import backbone_param
-from distsparse.checkpoint import CheckpointError, CheckpointManager
+from distsparse.checkpoint import CheckpointError, CheckpointManager, Part
 from distsparse.checkpoint.files import unflatten_states
+from distsparse.checkpoint.parts import BackbonePart, RngPart
 from distsparse.layers.permutation import BlockPermutation
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from preempt import signal_during_step
 from synthetic_data import make_data_dir
 
@@ -142,29 +143,29 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(ranks2, data_dir, t
 
 
 def _crash_second_save(rank, world_size, data_dir, out_dir):
-    from distsparse.checkpoint import manager as ck
+    from distsparse.checkpoint.parts import BackbonePart
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}", "checkpoint.interval=2",
                                     "train.steps=6", "checkpoint.save_at_end=false"])
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))
-    original = ck.CheckpointManager._write_rank_files
+    original = BackbonePart.save
 
-    def failing(self, tmp, engine):
-        if "step00000004" in str(tmp):
+    def failing(self, folder):
+        if "step00000004" in str(folder):
             raise OSError("injected failure: disk full")
-        return original(self, tmp, engine)
-    ck.CheckpointManager._write_rank_files = failing
+        return original(self, folder)
+    BackbonePart.save = failing
     try:
         with pytest.raises(OSError, match="injected"):
             trainer.train()
     finally:
-        ck.CheckpointManager._write_rank_files = original
+        BackbonePart.save = original
         trainer.close()
 
 
 class _FakeDeepSpeed:
-    """What CheckpointManager.save asks of DeepSpeed's engine (0.19's file names and writer flags); it also writes a
-    file no rank claims, as a newer DeepSpeed might."""
+    """What deepspeed_files asks of DeepSpeed's engine (0.19's file names and writer flags); it also writes a file
+    no rank claims, as a newer DeepSpeed might."""
     save_non_zero_checkpoint = save_zero_checkpoint = True
 
     def _get_ckpt_name(self, root, tag):
@@ -180,6 +181,16 @@ class _FakeDeepSpeed:
             Path(name).write_bytes(tag.encode())
 
 
+class _FakeDeepSpeedPart(Part):
+    """The dense side's part with DeepSpeed's file writing alone (no dense state to gather)."""
+
+    def save(self, folder):
+        from distsparse.train.deepspeed.checkpoint import deepspeed_files
+        engine = _FakeDeepSpeed()
+        engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+        return deepspeed_files(engine, folder.parent, folder.name)
+
+
 class _FakeMatrix:
     owners = {"w": 0}
 
@@ -187,30 +198,72 @@ class _FakeMatrix:
         return {"w": {"master": torch.arange(4.0)}}
 
 
+def _manager(root, keep_last=3):
+    manager = CheckpointManager(root, keep_last=keep_last)
+    manager.register(dense=_FakeDeepSpeedPart(), backbone=BackbonePart(_FakeMatrix()), rng=RngPart())
+    return manager
+
+
 def test_keep_last_checkpoints_remain_and_every_file_written_is_in_the_manifest(tmp_path):
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager = _manager(tmp_path, keep_last=2)
     for step in (1, 2, 3):
-        manager.save(step, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+        manager.save(step)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000002", "step00000003"]
     found = manager.find("auto")
     assert found.path.name == "step00000003"
-    assert sorted(found.manifest["files"]) == [
+    files = found.manifest["files"]
+    assert sorted(files) == [
         "backbone/rank00000.safetensors", "extra/unclaimed.bin", "mp_rank_00_model_states.pt", "rng/rank00000.json",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert files["mp_rank_00_model_states.pt"]["rank"] == 0 and found.manifest["owners"] == {"w": 0}
+
+
+def test_save_and_load_walk_the_registered_parts_in_one_order(tmp_path):
+    """Each part's files and manifest entries come back to it in load, in the order the parts were registered."""
+    calls = []
+
+    class Recorder(Part):
+        def __init__(self, name):
+            self.name = name
+
+        def manifest(self):
+            return {f"{self.name}_entry": self.name.upper()}
+
+        def save(self, folder):
+            calls.append(("save", self.name))
+            (folder / f"{self.name}.json").write_text(self.name)
+            return [f"{self.name}.json"]
+
+        def load(self, ckpt):
+            calls.append(("load", self.name, (ckpt.path / f"{self.name}.json").read_text(),
+                          ckpt.manifest[f"{self.name}_entry"]))
+
+    class NoBackbone(Part):
+        def manifest(self):
+            return {"owners": {}}   # every manifest has an owner map
+
+    manager = CheckpointManager(tmp_path)
+    manager.register(first=Recorder("first"), owners=NoBackbone(), second=Recorder("second"))
+    manager.save(5)
+    manager.load(manager.find("auto"))
+    assert calls == [("save", "first"), ("save", "second"),
+                     ("load", "first", "first", "FIRST"), ("load", "second", "second", "SECOND")]
+    with pytest.raises(AssertionError, match="registered twice"):
+        manager.register(first=Recorder("again"))
 
 
 def test_a_copy_named_like_a_checkpoint_is_never_resumed_counted_or_pruned(tmp_path):
     """`step00000002.bak` sorts after `step00000002` and before `step00000003`: matched by `step*` it would be tried
     by `auto` before the real newest-but-one, count against keep_last, and be deleted by pruning."""
-    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager = _manager(tmp_path, keep_last=2)
     for step in (1, 2):
-        manager.save(step, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+        manager.save(step)
     import shutil
     shutil.copytree(tmp_path / "step00000002", tmp_path / "step00000002.bak")
     shutil.copytree(tmp_path / "step00000002", tmp_path / "step99999999x")
     (tmp_path / "latest").unlink()   # auto then goes by name: the newest real checkpoint
     assert manager.find("auto").path.name == "step00000002"
-    manager.save(3, ds_engine=_FakeDeepSpeed(), matrix_engine=_FakeMatrix(), manifest={})
+    manager.save(3)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "latest", "step00000002", "step00000002.bak", "step00000003", "step99999999x"]
 

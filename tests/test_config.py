@@ -5,7 +5,7 @@ import json
 import pytest
 
 from distsparse.config import load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from distsparse.train.validate import validate
 
 

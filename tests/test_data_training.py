@@ -19,7 +19,7 @@ from data_prep.prepare import PrepConfig, prepare
 from distsparse.config import load_config
 from distsparse.data import TokenDataset
 from distsparse.data.shards import read_index
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,7 @@ from distsparse import dist as ddist
 from distsparse.config import load_config
 from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.models import build_model, projection_names
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "broadcast")

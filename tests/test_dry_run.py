@@ -16,7 +16,7 @@ from distsparse.config import load_config
 from distsparse.layers import NMSparseLinear
 from distsparse.memory_estimate import estimate_run, format_estimate
 from distsparse.models import build_model, build_on_meta
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 METHOD = "chtsnm_nobranch_1of4_row"

@@ -22,7 +22,9 @@ from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.nm import encode, random_mask
 from distsparse.optim.engine import MatrixEngine
 from distsparse.optim.rules import get_rule
-from distsparse.checkpoint import CheckpointManager
+from distsparse.checkpoint import CheckpointManager, Part
+from distsparse.checkpoint.files import save_safetensors
+from distsparse.checkpoint.parts import DENSE_STATE, BackbonePart, RngPart
 from distsparse.checkpoint.manifest import DIGEST_KEY, sealed_text
 from synthetic_data import make_data_dir
 from rankpool import import_tool
@@ -84,12 +86,19 @@ def char_tokenizer():
                                    bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
-class _NoDeepSpeed:
-    """CheckpointManager.save hands DeepSpeed its part; the evaluation loader never reads DeepSpeed files."""
-    save_non_zero_checkpoint = save_zero_checkpoint = False   # DeepSpeed's writer flags: this rank wrote nothing
+class _ProjectFiles(Part):
+    """What the trainer's parts keep for evaluation: the run's manifest entries and the dense state by name (the
+    evaluation loader never reads DeepSpeed's files)."""
 
-    def save_checkpoint(self, root, tag, save_latest):
-        pass
+    def __init__(self, manifest: dict, dense_state: dict):
+        self.entries, self.dense_state = manifest, dense_state
+
+    def manifest(self):
+        return self.entries
+
+    def save(self, folder):
+        save_safetensors(self.dense_state, folder / DENSE_STATE)
+        return [DENSE_STATE]
 
 
 @torch.no_grad()
@@ -112,8 +121,9 @@ def save_project_checkpoint(root: Path, cfg) -> tuple[Path, nn.Module]:
     dense_state = {f"{n}::master": p.detach().float().clone() for n, p in model.named_parameters()
                    if id(p) not in backbone_ids}
     manifest = {"consumed_samples": 0, "config": config_to_dict(cfg), "tokenizer_sha256": ""}
-    path = CheckpointManager(root).save(7, ds_engine=_NoDeepSpeed(), matrix_engine=engine, manifest=manifest,
-                                        dense_state=dense_state)
+    manager = CheckpointManager(root)
+    manager.register(files=_ProjectFiles(manifest, dense_state), backbone=BackbonePart(engine), rng=RngPart())
+    path = manager.save(7)
     return path, model.eval()
 
 

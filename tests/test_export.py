@@ -14,7 +14,7 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.nm import NMMeta, NMSpec, decode
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from rankpool import import_tool
 
 ROOT = Path(__file__).resolve().parent.parent

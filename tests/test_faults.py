@@ -37,7 +37,7 @@ def _overrides(data_dir, out_dir, extra=()):
 
 def _train(rank, world_size, data_dir, out_dir, extra=()):
     """A Trainer as launch/pretrain.py builds one; returns the step it starts at (after any resume) or trains to."""
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, _overrides(data_dir, out_dir, extra))
     trainer = Trainer(cfg, build_ds_config(str(ROOT / "configs/ds/zero2.json"), cfg))
@@ -232,13 +232,13 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_checkpoint_as_the_one_resu
     not yet): the temp directory is left behind, `latest` and auto still name step 2."""
     from distsparse.checkpoint import CheckpointManager
     script = ("import os, signal, sys\n"
-              "from distsparse.checkpoint import manager\n"
-              "write = manager.CheckpointManager._write_rank_files\n"
-              "def killed(self, tmp, engine):\n"
-              "    if tmp.name.endswith('step00000004'):\n"
+              "from distsparse.checkpoint.parts import BackbonePart\n"
+              "write = BackbonePart.save\n"
+              "def killed(self, folder):\n"
+              "    if folder.name.endswith('step00000004'):\n"
               "        os.kill(os.getpid(), signal.SIGKILL)\n"
-              "    return write(self, tmp, engine)\n"
-              "manager.CheckpointManager._write_rank_files = killed\n"
+              "    return write(self, folder)\n"
+              "BackbonePart.save = killed\n"
               "from distsparse.cli.pretrain import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))

@@ -13,7 +13,7 @@ import torch
 
 from distsparse.config import TrainConfig, load_config
 from distsparse.train.batch import BatchPlan, SavedBatch, describe_resume, resolve_batch, saved_batch
-from distsparse.train.ds_config import complete_ds_config
+from distsparse.train.deepspeed.config import complete_ds_config
 from preempt import signal_during_step
 from synthetic_data import make_data_dir
 
@@ -147,7 +147,7 @@ BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_
 
 def _two_ranks(rank, world_size, data_dir, out_dir, stop_after=None):
     """8 steps, or preempted (a real SIGUSR1 to rank 0) during step `stop_after`: the schedule stays 8 steps."""
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
     from distsparse.train.trainer import Trainer
     cfg = load_config(None, BASE + [f"data.dir={data_dir}", f"train.out_dir={out_dir}"])
     trainer = Trainer(cfg, build_ds_config("configs/ds/zero2.json", cfg))

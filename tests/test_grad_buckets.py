@@ -10,7 +10,7 @@ import torch
 from distsparse.config import load_config
 from distsparse.models import backbone_param
 from distsparse.optim.grad_buckets import ALIGN, backward_order, bucket_layout, resolve_grad_accum_mode
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 

@@ -12,7 +12,7 @@ import torch
 
 from distsparse.config import load_config
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate
-from distsparse.train.ds_config import build_ds_config, complete_ds_config, warn_syncing_keys
+from distsparse.train.deepspeed.config import build_ds_config, complete_ds_config, warn_syncing_keys
 from distsparse.train.step_inputs import StepInputs, should_pin
 from synthetic_data import make_data_dir
 

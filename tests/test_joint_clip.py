@@ -17,7 +17,7 @@ import torch
 
 from adam_readback import applied_coefficient
 from distsparse.config import load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, EPS, LR = 97, 1.0, 1.0

@@ -16,7 +16,7 @@ import torch
 
 from adam_readback import applied_coefficient
 from distsparse.config import load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]

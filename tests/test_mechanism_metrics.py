@@ -15,7 +15,7 @@ from distsparse.layers.projection import SparseProjection
 from distsparse.memory_estimate import backbone_analytic, backbone_matrices
 from distsparse.models import build_model
 from distsparse.train.branch_metrics import BranchProbe
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]

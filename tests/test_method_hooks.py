@@ -101,7 +101,7 @@ def test_the_hooks_name_the_learned_permutations_a_checkpoint_keeps(mode):
 
 
 @pytest.mark.parametrize("path", ["distsparse/train/trainer.py", "distsparse/train/joint_step.py",
-                                  "distsparse/train/deepspeed_side.py", "distsparse/optim/engine.py"])
+                                  "distsparse/train/deepspeed/side.py", "distsparse/optim/engine.py"])
 def test_the_loop_the_joint_step_and_the_engine_hold_no_method_names(path):
     """Identifiers only (comments and docstrings may name the methods a phase serves)."""
     tokens = tokenize.generate_tokens(io.StringIO((ROOT / path).read_text()).readline)

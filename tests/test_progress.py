@@ -15,7 +15,7 @@ from bench import train as bench
 from distsparse.config import load_config
 from distsparse.models import build_model
 from distsparse.perf.flops import device_peak_flops, model_step_flops, peak_flops
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from distsparse.train.progress import StepWindow, progress_metrics
 from synthetic_data import make_data_dir
 

@@ -162,7 +162,7 @@ def _trainer_vs_pieces(rank, world_size, data_dir, out_dir):
     from distsparse.config import load_config
     from distsparse.data import collate
     from distsparse.perf.step_trace import rank_traces
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
     from distsparse.train.trainer import Trainer
 
     cfg = load_config(None, TRAINER_OVERRIDES + [f"data.dir={data_dir}", f"train.out_dir={out_dir}/{rank}"])

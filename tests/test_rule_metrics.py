@@ -12,7 +12,7 @@ from distsparse.config import load_config
 from distsparse.layers.llama_projections import PROJECTIONS
 from distsparse.nm import kept_index, scatter_kept
 from distsparse.optim.engine import MatrixEngine
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from distsparse.train.rule_metrics import rule_metrics
 from synthetic_data import make_data_dir
 from test_group_rules import grads_of, start_states, tiny_backbone

@@ -178,7 +178,7 @@ def test_auto_dtype_is_resolved_on_the_node_that_trains_not_on_the_submitting_ma
 
     import distsparse.train.trainer as trainer_module
     from distsparse.config import load_config
-    from distsparse.train.ds_config import build_ds_config
+    from distsparse.train.deepspeed.config import build_ds_config
 
     data = make_data_dir(tmp_path / "data")
     ds_file = tmp_path / "zero2_fused_adam.json"   # no torch_adam: the dense side's Adam is left to the node

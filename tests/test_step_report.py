@@ -8,7 +8,7 @@ import pytest
 from distsparse import step_timer
 from distsparse.config import load_config
 from distsparse.step_timer import PHASES, StepTimer
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 ROOT = Path(__file__).resolve().parents[1]

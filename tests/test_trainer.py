@@ -7,7 +7,7 @@ from distsparse.config import load_config
 from distsparse.layers import NMSparseLinear
 from distsparse.nm import decode
 from distsparse.models import backbone_param
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from synthetic_data import make_data_dir
 
 BASE = ["model.preset=tiny", "data.seq_len=32", "train.dtype=fp32", "train.eval_interval=1000",

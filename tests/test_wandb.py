@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distsparse.config import load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from distsparse.train.metrics import WANDB_ID_FILE, FanOut, NullWriter, TensorBoardWriter, build_writer
 from distsparse.train.validate import validate
 from synthetic_data import make_data_dir

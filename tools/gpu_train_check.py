@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # read when cuBLAS starts, at the first GEMM
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     from distsparse.cli import launch_env
-    from distsparse.train.ds_config import build_ds_config, resolve_dtype
+    from distsparse.train.deepspeed.config import build_ds_config, resolve_dtype
     env = launch_env.resolve_here()
     device = launch_env.start(env)
     logging.info(launch_env.describe(env, device))

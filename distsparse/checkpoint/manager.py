@@ -1,19 +1,22 @@
-"""Sharded, atomic checkpoints: save, find (verified, agreed on by every rank) and load.
+"""Sharded, atomic checkpoints: save, find (verified, agreed on by every rank) and load, part by part.
 
-Layout of `root/` (DESIGN decision 6):
+What goes in are the parts registered by name (checkpoint/parts.py; the trainer registers run, data, dense,
+backbone, registry, rng in that order); save and load walk them in the order registered. Layout of `root/`
+(DESIGN decision 6), with the part that writes each file:
 
     latest                          tag of the newest complete checkpoint, written last (tmp + rename)
     step00000120/
-      manifest.json                 rank 0: format, world size, owner map, step, consumed samples, config,
-                                    tokenizer checksum, NS coefficients, FFN rounding; every other file with its
-                                    size, sha256 and the rank that wrote (and hashed) it; its own digest
-      backbone/rank00000.safetensors  each rank: fp32 master, codes and rule state of the matrices it owns
-      dense_state.safetensors       rank 0: the dense side's fp32 masters and Adam moments by parameter name,
-                                    so a run can resume on another world size (ZeRO files are per-partition)
-      registry.safetensors          rank 0: state of registered components (e.g. permutations)
-      rng/rank00000.json            each rank: python, numpy and torch RNG states
-      mp_rank_00_model_states.pt    DeepSpeed, written by its data-parallel writer (rank 0)
-      zero_pp_rank_<r>_mp_rank_00_optim_states.pt   DeepSpeed, rank r's ZeRO partition (bf16_ prefix in bf16)
+      manifest.json                 rank 0: format, world size, step (the manager); config, tokenizer checksum,
+                                    NS coefficients, FFN rounding, batch plan (run); consumed samples (data);
+                                    owner map (backbone); every other file with its size, sha256 and the rank
+                                    that wrote (and hashed) it; its own digest
+      backbone/rank00000.safetensors  backbone, each rank: fp32 master, codes and rule state of its matrices
+      dense_state.safetensors       dense, rank 0: the dense side's fp32 masters and Adam moments by parameter
+                                    name, so a run can resume on another world size (ZeRO files are per-partition)
+      registry.safetensors          registry, rank 0: the method hooks' saved state (e.g. permutations)
+      rng/rank00000.json            rng, each rank: python, numpy and torch RNG states
+      mp_rank_00_model_states.pt    dense: DeepSpeed, written by its data-parallel writer (rank 0)
+      zero_pp_rank_<r>_mp_rank_00_optim_states.pt   dense: DeepSpeed, rank r's ZeRO partition (bf16_ prefix in bf16)
 
 A checkpoint is written under `.tmp-<tag>/`, made durable, then renamed: a crash mid-save leaves the previous
 checkpoint as `latest`. Each rank hashes the files it wrote; the digests are gathered into the manifest. Before
@@ -24,85 +27,59 @@ explicit path is refused; either way the file is named. Project files are safete
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
-
-import torch
-from safetensors import safe_open
+from typing import Callable
 
 from distsparse import dist as ddist
-from distsparse.checkpoint.files import (
-    SEP, flatten_states, fsync_dir, rng_state, save_safetensors, set_rng_state, sha256_and_sync, unflatten_states,
-    write_text_atomic,
-)
+from distsparse.checkpoint.files import fsync_dir, sha256_and_sync, write_text_atomic
 from distsparse.checkpoint.manifest import (
     FORMAT_VERSION, MANIFEST, CheckpointError, candidates, checkpoint_tags, read_manifest, sealed_text, tag_for,
     verify_digests,
 )
+from distsparse.checkpoint.parts import LoadedCheckpoint, Part
+
+RESERVED = {"format_version", "tag", "step", "world_size", "files"}   # the manager's own manifest entries
 
 log = logging.getLogger("distsparse")
 
 
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, torch.Tensor]: ...
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
-
-
-@dataclass
-class LoadedCheckpoint:
-    path: Path
-    manifest: dict
-
-
-def deepspeed_files(ds_engine, root: Path, tag: str) -> list[str]:
-    """The files `ds_engine.save_checkpoint(root, tag)` wrote on this rank, relative to the checkpoint directory,
-    by DeepSpeed's own naming and writer flags: the module file on its data-parallel writer, the ZeRO partition
-    named by this rank's data-parallel rank. (Its recovery scripts go to `root`, outside the checkpoint.)"""
-    written = []
-    if ds_engine.save_non_zero_checkpoint:
-        written.append(ds_engine._get_ckpt_name(str(root), tag))
-    if ds_engine.save_zero_checkpoint:
-        written.append(ds_engine._get_zero_ckpt_name(str(root), tag))
-    return [Path(p).relative_to(root / tag).as_posix() for p in written]
-
-
 class CheckpointManager:
-    """Owns save, load and atomicity of run checkpoints; what goes in comes from the trainer."""
+    """Owns save, load and atomicity of run checkpoints; what goes in are the parts registered by name
+    (checkpoint/parts.py), saved and loaded in one order."""
 
     def __init__(self, root: str | Path, keep_last: int = 3):
         if keep_last < 1:
             raise ValueError(f"checkpoint keep_last: got {keep_last}; allowed: an integer >= 1")
         self.root, self.keep_last = Path(root), keep_last
         self.rank, self.world_size = ddist.rank(), ddist.world_size()
+        self.parts: dict[str, Part] = {}
+
+    def register(self, **parts: Part) -> None:
+        """Add parts by name, after those registered before: save writes and load reads them in this order."""
+        taken = self.parts.keys() & parts.keys()
+        assert not taken, f"checkpoint parts registered twice: {sorted(taken)}"
+        self.parts.update(parts)
 
     # ---- save ----------------------------------------------------------------------------------------------
 
-    def save(self, step: int, *, ds_engine, matrix_engine, manifest: dict,
-             dense_state: dict[str, torch.Tensor] | None = None,
-             registry: dict[str, Stateful] | None = None) -> Path:
-        """Collective: every rank calls it. Returns the final checkpoint directory."""
+    def save(self, step: int) -> Path:
+        """Collective: every rank calls it. Every part writes its files into a temporary folder, renamed to the
+        final checkpoint directory once the manifest is written; returns that directory."""
         tag = tag_for(step)
-        tmp_tag = f".tmp-{tag}"
-        tmp, final = self.root / tmp_tag, self.root / tag
+        tmp, final = self.root / f".tmp-{tag}", self.root / tag
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         ddist.barrier()
-        ds_engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
-        written = deepspeed_files(ds_engine, self.root, tmp_tag) + self._write_rank_files(tmp, matrix_engine)
-        if self.rank == 0:
-            if dense_state is not None:
-                save_safetensors(dense_state, tmp / "dense_state.safetensors")
-                written.append("dense_state.safetensors")
-            if registry:
-                flat = flatten_states({name: obj.state_dict() for name, obj in registry.items()})
-                save_safetensors(flat, tmp / "registry.safetensors")
-                written.append("registry.safetensors")
+        written, entries = [], {}
+        for part in self.parts.values():
+            written += part.save(tmp)
+            kept = part.manifest()
+            assert not kept.keys() & (entries.keys() | RESERVED), f"manifest entries written twice: {sorted(kept)}"
+            entries.update(kept)
         mine = {rel: self._describe(tmp / rel) for rel in written}
         files = {rel: info for part in ddist.gather_objects(mine) for rel, info in part.items()}
         if self.rank == 0:
@@ -111,7 +88,7 @@ class CheckpointManager:
                 if f.relative_to(tmp).as_posix() not in files:
                     files[f.relative_to(tmp).as_posix()] = self._describe(f)
             full = {"format_version": FORMAT_VERSION, "tag": tag, "step": step, "world_size": self.world_size,
-                    "owners": matrix_engine.owners, "files": files, **manifest}
+                    **entries, "files": files}
             write_text_atomic(tmp / MANIFEST, sealed_text(full))
             for folder in sorted({(tmp / rel).parent for rel in files} | {tmp}):
                 fsync_dir(folder)
@@ -125,14 +102,6 @@ class CheckpointManager:
 
     def _describe(self, path: Path) -> dict:
         return {"bytes": path.stat().st_size, "sha256": sha256_and_sync(path), "rank": self.rank}
-
-    def _write_rank_files(self, tmp: Path, matrix_engine) -> list[str]:
-        rel = [f"backbone/rank{self.rank:05d}.safetensors", f"rng/rank{self.rank:05d}.json"]
-        (tmp / "backbone").mkdir(parents=True, exist_ok=True)
-        (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        save_safetensors(flatten_states(matrix_engine.state_dict()), tmp / rel[0])
-        (tmp / rel[1]).write_text(json.dumps(rng_state()))
-        return rel
 
     def _prune(self) -> None:
         tags = checkpoint_tags(self.root)
@@ -174,27 +143,8 @@ class CheckpointManager:
 
     # ---- load ----------------------------------------------------------------------------------------------
 
-    def load_backbone(self, ckpt: LoadedCheckpoint, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
-        """The saved state of `names`, read from whichever rank's file holds each (owners may differ now)."""
-        owners = ckpt.manifest["owners"]
-        by_file: dict[int, list[str]] = {}
-        for name in names:
-            if name not in owners:
-                raise CheckpointError(f"checkpoint {ckpt.path}: no state for backbone matrix {name!r}")
-            by_file.setdefault(owners[name], []).append(name)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for rank, wanted in by_file.items():
-            path = ckpt.path / f"backbone/rank{rank:05d}.safetensors"
-            with safe_open(str(path), framework="pt") as f:
-                keys = [k for k in f.keys() if k.rpartition(SEP)[0] in set(wanted)]
-                out.update(unflatten_states({k: f.get_tensor(k) for k in keys}))
-        return out
-
-    def load_tensors(self, ckpt: LoadedCheckpoint, rel: str) -> dict[str, torch.Tensor]:
-        with safe_open(str(ckpt.path / rel), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
-
-    def load_rng(self, ckpt: LoadedCheckpoint) -> None:
-        path = ckpt.path / f"rng/rank{self.rank:05d}.json"
-        if ckpt.manifest["world_size"] == self.world_size and path.exists():
-            set_rng_state(json.loads(path.read_text()))
+    def load(self, ckpt: LoadedCheckpoint) -> None:
+        """Collective: every registered part reads back what it saved, in the order it was saved (a part that
+        refuses the checkpoint, as the run's does for another model, comes before any state is read)."""
+        for part in self.parts.values():
+            part.load(ckpt)

@@ -16,12 +16,11 @@ from distsparse.layers import NMSparseLinear
 from distsparse.layers.permutation import BlockPermutation
 from distsparse.models import backbone_modules, backbone_param, build_model
 from distsparse.checkpoint.files import unflatten_states
-from distsparse.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from distsparse.checkpoint.manager import CheckpointManager
 from distsparse.checkpoint.manifest import MANIFEST, CheckpointError, deepspeed_file
 from distsparse.strict_config import build_dataclass
+from distsparse.checkpoint.parts import DENSE_STATE, REGISTRY, LoadedCheckpoint, load_backbone, load_tensors
 
-DENSE_STATE = "dense_state.safetensors"
-REGISTRY = "registry.safetensors"
 EMBEDDING_MASTER = "model.embed_tokens.weight::master"
 
 
@@ -54,15 +53,14 @@ def find_checkpoint(path: str | Path) -> LoadedCheckpoint:
 @torch.no_grad()
 def load_trained_model(path: str | Path) -> TrainedModel:
     ckpt = find_checkpoint(path)
-    manager = CheckpointManager(ckpt.path.parent)
     cfg = build_dataclass(Config, ckpt.manifest["config"], "")
-    dense = manager.load_tensors(ckpt, DENSE_STATE)
+    dense = load_tensors(ckpt, DENSE_STATE)
     if EMBEDDING_MASTER not in dense:
         raise CheckpointError(f"checkpoint file {ckpt.path / DENSE_STATE} has no {EMBEDDING_MASTER!r}")
     vocab_size = ckpt.manifest.get("vocab_size") or dense[EMBEDDING_MASTER].shape[0]
     model = build_model(cfg.model, cfg.method, vocab_size, cfg.train.seed)
     backbone = backbone_modules(model)
-    states = manager.load_backbone(ckpt, sorted(backbone))
+    states = load_backbone(ckpt, sorted(backbone))
     for name, core in backbone.items():
         if isinstance(core, NMSparseLinear):
             core.set_codes(states[name]["codes"])   # codes first: they decide where each value sits
@@ -76,11 +74,11 @@ def load_trained_model(path: str | Path) -> TrainedModel:
             raise CheckpointError(f"checkpoint file {ckpt.path / DENSE_STATE} has no {key!r}; the checkpoint does "
                                   f"not match the model its manifest describes")
         param.copy_(dense[key].view_as(param))
-    _load_permutations(model, manager, ckpt)
+    _load_permutations(model, ckpt)
     return TrainedModel(model.eval(), cfg, ckpt, vocab_size)
 
 
-def _load_permutations(model: nn.Module, manager: CheckpointManager, ckpt: LoadedCheckpoint) -> None:
+def _load_permutations(model: nn.Module, ckpt: LoadedCheckpoint) -> None:
     """Hardening state of learned permutations, from the registry the trainer writes (random and identity
     permutations are rebuilt from the seed)."""
     learned = {n: m for n, m in model.named_modules() if isinstance(m, BlockPermutation) and m.mode == "learned"}
@@ -88,7 +86,7 @@ def _load_permutations(model: nn.Module, manager: CheckpointManager, ckpt: Loade
         return
     if not (ckpt.path / REGISTRY).exists():
         raise CheckpointError(f"checkpoint {ckpt.path}: {REGISTRY} is missing; learned permutations need it")
-    saved = unflatten_states(manager.load_tensors(ckpt, REGISTRY))
+    saved = unflatten_states(load_tensors(ckpt, REGISTRY))
     for name, module in learned.items():
         if name not in saved:
             raise CheckpointError(f"checkpoint file {ckpt.path / REGISTRY} has no state for permutation {name!r}")

@@ -21,7 +21,7 @@ import yaml
 
 from distsparse.cli import launch_env
 from distsparse.config import config_to_dict, load_config
-from distsparse.train.ds_config import build_ds_config
+from distsparse.train.deepspeed.config import build_ds_config
 from distsparse.train.validate import validate, validate_without_data
 
 

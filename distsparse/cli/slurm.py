@@ -76,7 +76,7 @@ import yaml
 
 from distsparse.cli import launch_env
 from distsparse.config import Config, config_to_dict, load_config
-from distsparse.train.ds_config import complete_ds_config, read_ds_json
+from distsparse.train.deepspeed.config import complete_ds_config, read_ds_json
 from distsparse.train.validate import validate
 from distsparse.cli import pretrain
 

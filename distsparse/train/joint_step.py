@@ -41,7 +41,7 @@ from distsparse import dist as ddist
 from distsparse.optim.engine import MatrixEngine
 from distsparse.step_timer import NULL_TIMER, StepTimer
 from distsparse.train.branch_metrics import BranchProbe
-from distsparse.train.deepspeed_side import DeepSpeedSide
+from distsparse.train.deepspeed.side import DeepSpeedSide
 from distsparse.train.method_hooks import HookSet, MethodHooks
 from distsparse.train.rule_metrics import rule_metrics
 from distsparse.train.topology_policy import TopologyPolicy, refresh_metrics
@@ -85,10 +85,6 @@ class JointOptimizer:
     def scalar_bytes_per_step(world_size: int) -> float:
         """Bytes a rank sends for the step's scalars: one ring all-reduce of len(SCALARS) float64."""
         return 2 * (world_size - 1) / world_size * len(SCALARS) * torch.float64.itemsize
-
-    def loaded(self) -> None:
-        """Call after DeepSpeed loaded a checkpoint: its threshold back to train.grad_clip (deepspeed_side.py)."""
-        self.dense.hold_threshold()
 
     # ---- micro-steps -------------------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ from types import SimpleNamespace
 import torch
 
 from distsparse import dist as ddist
-from distsparse.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint, resume_changes
-from distsparse.config import Config, config_to_dict, separate_branch_group
+from distsparse.checkpoint import CheckpointManager, LoadedCheckpoint
+from distsparse.checkpoint.parts import BackbonePart, RegistryPart, RngPart
+from distsparse.config import Config, config_to_dict
 from distsparse.data import GlobalBatchSampler, TokenDataset, collate, load_meta, validation_batches
 from distsparse.eval.loss import loss_sums, perplexity
 from distsparse.layers.projection import SparseProjection
@@ -32,14 +33,15 @@ from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
 from distsparse.perf.flops import device_peak_flops, model_step_flops
 from distsparse.step_timer import StepTimer
-from distsparse.train.batch import BatchPlan, describe_resume, resolve_batch, saved_batch
-from distsparse.train.dense_state import gather_dense_state, restore_dense_state
-from distsparse.train.ds_config import resolve_dtype
+from distsparse.train.batch import BatchPlan, resolve_batch, saved_batch
+from distsparse.train.deepspeed.checkpoint import DeepSpeedPart
+from distsparse.train.deepspeed.config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
 from distsparse.train.method_hooks import build_method_hooks
 from distsparse.train.metrics import build_writer, peak_memory_gb
 from distsparse.train.preemption import PreemptionFlag
 from distsparse.train.progress import WINDOW_STEPS, StepWindow, progress_metrics
+from distsparse.train.run_state import DataPart, RunPart
 from distsparse.train.schedule import lr_factor
 from distsparse.train.step_inputs import StepInputs
 from distsparse.train.topology_policy import TopologyPolicy
@@ -160,6 +162,12 @@ class Trainer:
         self.step = 0
         self.report: StepReport | None = None
         self.preemption = PreemptionFlag().install()
+        # Saved and loaded in this order: the run's checks before any state, the generators last.
+        self.checkpoints.register(run=RunPart(self), data=DataPart(self.inputs),
+                                  dense=DeepSpeedPart(self.joint.dense,
+                                                      separate_branch_group=cfg.method.separate_branch_group),
+                                  backbone=BackbonePart(self.matrix), registry=RegistryPart(self.hooks.saved_state),
+                                  rng=RngPart())
         if cfg.checkpoint.resume:
             self.resume(ckpt, cfg.checkpoint.resume)
         self.writer = build_writer(cfg, self.rank, resumed=self.step > 0)
@@ -211,8 +219,7 @@ class Trainer:
     def host_tensors(self) -> list[torch.Tensor]:
         """Tensors that stay on the host on every device, whose scalar reads wait for no device (OpCounter's
         `host_tensors`): the norm handed to DeepSpeed and torch Adam's step counters (capturable off)."""
-        state = self.engine.optimizer.optimizer.state.values()
-        return [self.joint.dense.host_norm] + [s["step"] for s in state if torch.is_tensor(s.get("step"))]
+        return self.joint.dense.host_tensors()
 
     def train_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over the micro-batches; returns its metrics (the report is kept in `self.report`).
@@ -246,55 +253,22 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        manifest = {"consumed_samples": self.inputs.consumed_samples,   # a prefetched step is not consumed yet
-                    "config": config_to_dict(self.cfg), "tokenizer_sha256": self.meta.get("tokenizer_sha256", ""),
-                    "ns_coefficients": getattr(self.matrix.hp, "ns_coefficients", None),
-                    "ffn_width": self.cfg.model.ffn_width, "dtype": self.dtype,
-                    "vocab_size": self.model.config.vocab_size,
-                    "global_batch_size": self.plan.global_batch, "grad_accum": self.plan.grad_accum}
-        path = self.checkpoints.save(self.step, ds_engine=self.engine, matrix_engine=self.matrix, manifest=manifest,
-                                     dense_state=gather_dense_state(self.engine, self.model, self.rank),
-                                     registry=self.hooks.saved_state())
+        """Collective: a checkpoint of every registered part (__init__) at this step."""
+        path = self.checkpoints.save(self.step)
         log.info("saved checkpoint %s", path)
         return path
 
     def resume(self, ckpt: LoadedCheckpoint | str | None, which: str = "") -> None:
-        """Load `ckpt` (found by the caller, or a `checkpoint.resume` value to find; None: none found for
-        `which`). Its batch plan must be the one this trainer was built with (DeepSpeed's accumulation is fixed)."""
+        """Collective: load `ckpt` (found by the caller, or a `checkpoint.resume` value to find; None: none found
+        for `which`), part by part as it was saved. Its batch plan must be the one this trainer was built with."""
         if isinstance(ckpt, str):
             ckpt, which = self.checkpoints.find(ckpt), ckpt
         if ckpt is None:
             log.info("resume %s: no checkpoint under %s, starting fresh", which, self.checkpoints.root)
             return
-        m = ckpt.manifest
-        changes = resume_changes(m, ckpt.path, self.cfg, self.meta)   # refuses another model or method by name
-        if changes:
-            log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
-        needed = self._batch_plan(ckpt)
-        if needed != self.plan:
-            raise CheckpointError(f"checkpoint {ckpt.path} needs the batch plan {needed}, this trainer was built "
-                                  f"with {self.plan}; allowed: a Trainer built with checkpoint.resume set to it")
-        batch_change = describe_resume(self.plan, saved_batch(m))
-        if batch_change:
-            log.info("resume from %s: %s", ckpt.path, batch_change)
-        same_partitions = m["world_size"] == self.world_size and \
-            separate_branch_group(m["config"]["method"]) == self.cfg.method.separate_branch_group
-        if same_partitions:
-            self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name)
-        else:
-            # ZeRO files are per partition and per parameter group (another world size, or method.branch_lr /
-            # branch_weight_decay switched on or off): load the module, then the dense optimizer state by name.
-            self.engine.load_checkpoint(str(ckpt.path.parent), tag=ckpt.path.name, load_module_only=True,
-                                        load_optimizer_states=False, load_lr_scheduler_states=False)
-            restore_dense_state(self.engine, self.model, self.checkpoints.load_tensors(ckpt, "dense_state.safetensors"),
-                                m["step"])
-        self.joint.loaded()
-        self.matrix.load_state_dict(self.checkpoints.load_backbone(ckpt, list(self.matrix.masters)))
-        self.sampler.load_state_dict({"consumed_samples": m["consumed_samples"]})
-        self.step = m["step"]
-        self.checkpoints.load_rng(ckpt)
-        log.info("resumed from %s at step %d (saved on %d ranks, now %d)", ckpt.path, self.step, m["world_size"],
-                 self.world_size)
+        self.checkpoints.load(ckpt)
+        log.info("resumed from %s at step %d (saved on %d ranks, now %d)", ckpt.path, self.step,
+                 ckpt.manifest["world_size"], self.world_size)
 
     # ---- the loop ----------------------------------------------------------------------------------------
 

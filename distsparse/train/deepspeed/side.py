@@ -31,11 +31,17 @@ DeepSpeed's FusedAdam create a group's state in its own first step, so groups 1.
 good ("exp_avg not found" at the next save) whenever the dense side has more than one group (method.branch_lr).
 `step` links again after the first applied step, when every group's state exists. A checkpoint load links on the
 next step with every group's state already loaded (or dense_state._ensure_optimizer_state links it).
+
+Model-state bytes (`state_bytes`, DESIGN s6) read the same internals: the module's parameters (`bit16_groups`,
+views of DeepSpeed's flat buffers), the fp32 partition (`single_partition_of_fp32_groups`), Adam's state
+(`optimizer.state`) and the gradient partition (`averaged_gradients`, held from the boundary backward to the step).
 """
 
 from __future__ import annotations
 
 import torch
+
+from distsparse.utils import storage_bytes
 
 CPU = torch.device("cpu")
 
@@ -61,6 +67,24 @@ class DeepSpeedSide:
         self.engine, self.optimizer, self.grad_clip = engine, opt, grad_clip
         # The norm handed to DeepSpeed: one host tensor, refilled every step (its reads are host reads on any device)
         self.host_norm = torch.zeros((), dtype=torch.float32, device=CPU)
+
+    def state_bytes(self, seen: set) -> dict[str, int]:
+        """This rank's dense-side model state in bytes, each storage counted once across the calls sharing `seen`
+        (DESIGN s6). Call it between the boundary backward and the step to count the gradient partition."""
+        opt = self.optimizer
+        params = [p for group in opt.bit16_groups for p in group]
+        moments = [v for state in opt.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        grads = [g for group in opt.averaged_gradients.values() if group for g in group]   # {group index: [grads]}
+        return {"module_copy": storage_bytes(params, seen),
+                "fp32_partition": storage_bytes(opt.single_partition_of_fp32_groups, seen),
+                "moments": storage_bytes(moments, seen),
+                "grad_partition": storage_bytes(grads, seen)}
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Tensors that stay on the host on every device: the norm handed to DeepSpeed and torch Adam's step
+        counters (capturable off)."""
+        state = self.optimizer.optimizer.state.values()
+        return [self.host_norm] + [s["step"] for s in state if torch.is_tensor(s.get("step"))]
 
     def backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
         """DeepSpeed's backward; off the boundary also its step bookkeeping (no update happens there)."""
