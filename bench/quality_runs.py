@@ -44,7 +44,9 @@ CURVE_TAGS = ("loss/train", "loss/val", "loss/val_ppl", "optim/grad_norm")   # w
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
     """bench_quality's settings (a comparison); ValueError names a bad one."""
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(prog="python -m bench.bench_quality", description=description,
+                                epilog="a protocol in stages (configs/plans/) instead: --plan NAME, whose options "
+                                       "`python -m bench.bench_quality --plan NAME --help` lists")
     add = p.add_argument
     add("--data", required=True, help="prepared data directory (data_prep; its vocab sizes the model)")
     add("--methods", required=True, help="comma-separated method presets (configs/method/*.yaml)")

@@ -38,7 +38,7 @@ SEED_DIR = re.compile(r"seed(?P<seed>[0-9]+)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.quality_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True, help="folder holding seed<S>/<method>/sweep_b<b>_d<d> run directories")
     add_json_arg(p)
     return p.parse_args(argv)

@@ -38,7 +38,8 @@ MAX_COLUMNS = 12  # a wider 2-D table (per-shape timings) is named with its widt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.update_readme_results",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", help="benchmark JSON files (default: the --glob pattern)")
     p.add_argument("--glob", dest="pattern", default=None,

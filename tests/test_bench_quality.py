@@ -561,3 +561,18 @@ def test_a_finished_run_moved_to_another_out_root_is_read_back_there(bench, fake
     moved = quality_runs.parse_args([*argv, "--out-root", str(tmp_path / "b")])
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     assert quality_runs.finished_earlier(moved, quality_runs.full_spec(moved, "chts24_1of4_row", 1.0, 1.0))
+
+
+def test_help_names_the_module_and_the_plan_mode_whose_help_lists_its_own_options(capsys):
+    from bench import quality_summary, update_readme_results
+    for main, argv in ((bench_quality.main, ["--help"]), (quality_summary.parse_args, ["--help"]),
+                       (update_readme_results.parse_args, ["--help"])):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert capsys.readouterr().out.startswith(f"usage: python -m bench.{main.__module__.split('.')[-1]}")
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--help"])
+    assert "--plan NAME" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        bench_quality.main(["--plan", "paper_60m", "--help"])
+    assert "--executor" in capsys.readouterr().out
