@@ -318,3 +318,26 @@ def test_a_finished_run_resumed_saves_its_final_checkpoint_again_with_the_same_d
     again = load_file(final / "dense_state.safetensors")
     assert saved.keys() == again.keys() and any("exp_avg" in k for k in saved)
     assert all(torch.equal(saved[k], again[k]) for k in saved)
+
+
+def test_a_resume_on_the_saved_world_size_draws_what_the_saved_run_would_have_drawn_another_keeps_its_own(
+        tmp_path):
+    """RngPart: python, numpy and torch generators come back on the world size they were saved on (the bit-for-bit
+    resume above passes without them: its run draws nothing the seeds do not fix); on another, the ranks are other processes and
+    keep their fresh generators."""
+    import random
+    import numpy as np
+    from distsparse.checkpoint import LoadedCheckpoint
+    manager = CheckpointManager(tmp_path)
+    manager.register(rng=RngPart())
+    ckpt = LoadedCheckpoint(manager.save(1), {"world_size": 1})   # the only entry RngPart reads
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    expected = draws()
+    manager.load(ckpt)
+    assert draws() == expected
+    fresh = torch.get_rng_state()
+    manager.load(LoadedCheckpoint(ckpt.path, {"world_size": 2}))
+    assert torch.equal(torch.get_rng_state(), fresh)
