@@ -415,3 +415,27 @@ def test_the_not_text_share_counts_each_undecodable_byte_once_whether_replaced_o
                 read_file_documents(str(path), TextOptions(errors=errors))
         else:
             assert len(read_file_documents(str(path), TextOptions(errors=errors))) == 1
+
+
+def test_a_trainer_built_with_another_batch_plan_is_refused_before_its_step_is_set(saved):
+    """RunPart's check: a Trainer built without checkpoint.resume has the batch plan of its config (here 2 x 1 on
+    one rank); the 2-rank checkpoint keeps its global batch 4, so it needs accumulation 2, which DeepSpeed was not
+    built with. The plan the checkpoint asks for is accepted and sets the step."""
+    from types import SimpleNamespace
+    from distsparse.checkpoint import CheckpointError, LoadedCheckpoint
+    from distsparse.checkpoint.manifest import read_manifest
+    from distsparse.data import load_meta
+    from distsparse.train.batch import BatchPlan
+    from distsparse.train.run_state import RunPart
+    path = _checkpoints(saved["run"]) / STEP4
+    ckpt = LoadedCheckpoint(path, read_manifest(path))
+    cfg = load_config(None, _overrides(saved["data"], saved["run"]))
+    trainer = SimpleNamespace(cfg=cfg, meta=load_meta(saved["data"]), world_size=1, step=0,
+                              plan=BatchPlan(global_batch=2, micro_batch=2, grad_accum=1, world_size=1))
+    with pytest.raises(CheckpointError, match=re.escape("needs the batch plan BatchPlan(global_batch=4, "
+                                                        "micro_batch=2, grad_accum=2, world_size=1)")):
+        RunPart(trainer).load(ckpt)
+    assert trainer.step == 0
+    trainer.plan = BatchPlan(global_batch=4, micro_batch=2, grad_accum=2, world_size=1)
+    RunPart(trainer).load(ckpt)
+    assert trainer.step == 4
