@@ -62,6 +62,8 @@ def parse(cls: type[S], argv: Sequence[str] | None, description: str) -> tuple[S
     try:
         for item in args.overrides:
             key, _, text = item.partition("=")
+            if key == "quick":   # the field records --quick; as a setting it would be taken and the preset not
+                raise ValueError(f"{item}: allowed: --quick (the smoke run's preset)")
             # A text setting takes the text as given (rows=dense_adamw, world_sizes=8); others are read as YAML.
             data.update({key: text} if key in text_fields else parse_override(item))
         return build_dataclass(cls, {**data, "quick": args.quick}, ""), args.json

@@ -42,7 +42,7 @@ def test_settings_take_the_quick_preset_then_the_overrides_and_refuse_bad_keys_a
     s, path = parse(_Settings, ["--quick", "steps=3", "--json", "out.json", "rows=8"], "")
     assert (s.quick, s.model, s.steps, s.rows, path) == (True, "tiny", 3, "8", "out.json")   # text taken as given
     for argv, words in ((["stepz=3"], "unknown config key 'stepz'"), (["steps=many"], "steps: got 'many'"),
-                        (["steps=0"], "steps: got 0; allowed: >= 1")):
+                        (["steps=0"], "steps: got 0; allowed: >= 1"), (["quick=true"], "allowed: --quick")):
         with pytest.raises(SystemExit):
             parse(_Settings, argv, "")
         assert words in capsys.readouterr().err, argv
