@@ -6,7 +6,7 @@ import pytest
 
 from distsparse.config import load_config
 from distsparse.train.deepspeed.config import build_ds_config
-from distsparse.train.validate import validate
+from distsparse.train.validate import validate, validate_without_data
 
 
 @pytest.mark.parametrize("override, words", [
@@ -83,6 +83,9 @@ def test_seq_len_above_max_positions_is_refused(tmp_path):
     cfg = load_config(None, [f"data.dir={_data_dir(tmp_path)}", "data.seq_len=4096"])
     with pytest.raises(ValueError, match="data.seq_len: got 4096.*max_position_embeddings"):
         validate(cfg)
+    planned = load_config(None, [f"data.dir={tmp_path / 'elsewhere'}", "data.seq_len=4096", "model.vocab_size=256"])
+    with pytest.raises(ValueError, match="data.seq_len: got 4096.*max_position_embeddings"):
+        validate_without_data(planned, 64)   # a --dry-run planning a run whose data is not here
 
 
 def test_widths_not_divisible_by_four_are_refused(tmp_path):

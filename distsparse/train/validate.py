@@ -12,6 +12,13 @@ from distsparse.train.batch import check_resume_position, resolve_batch, saved_b
 from distsparse.train.data_checks import check_data
 
 
+def _check_positions(cfg: Config) -> None:
+    """data.seq_len within the model's position table (with or without the data here)."""
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; allowed: <= model.max_position_embeddings "
+                         f"({cfg.model.max_position_embeddings})")
+
+
 def validate_without_data(cfg: Config, world_size: int) -> dict:
     """The checks that need no data, for a `--dry-run` planning a run whose data.dir is not on this machine (a
     laptop planning a cluster run): the batch plan at `world_size` and the backbone's shapes; the vocabulary must
@@ -19,9 +26,7 @@ def validate_without_data(cfg: Config, world_size: int) -> dict:
     if not cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got 0 and data.dir {cfg.data.dir!r} has no meta.json here; allowed: "
                          f"the data's vocabulary size (e.g. model.vocab_size=32000), or a data.dir that exists")
-    if cfg.data.seq_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; allowed: <= model.max_position_embeddings "
-                         f"({cfg.model.max_position_embeddings})")
+    _check_positions(cfg)
     check_backbone_shapes(cfg.model, cfg.method)
     resolve_batch(cfg.train, world_size)
     return {"vocab_size": cfg.model.vocab_size}
@@ -35,9 +40,7 @@ def validate(cfg: Config, world_size: int = 1) -> dict:
     if cfg.model.vocab_size and meta["vocab_size"] > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: got {cfg.model.vocab_size}; the data in {cfg.data.dir} has vocab "
                          f"{meta['vocab_size']}; allowed: >= {meta['vocab_size']} (or 0 to take it from the data)")
-    if cfg.data.seq_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; allowed: <= model.max_position_embeddings "
-                         f"({cfg.model.max_position_embeddings})")
+    _check_positions(cfg)
     if meta["mode"] == "truncate_pad" and cfg.data.seq_len != meta["seq_len"]:
         raise ValueError(f"data.seq_len: got {cfg.data.seq_len}; data in {cfg.data.dir} is truncate_pad at "
                          f"{meta['seq_len']}; allowed: {meta['seq_len']}")
