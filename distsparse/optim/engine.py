@@ -272,8 +272,10 @@ class MatrixEngine:
         return norms.double().square().sum()
 
     def local_grads_nonfinite(self) -> torch.Tensor:
-        """0 when this rank's own gradients are finite, inf otherwise (float64 0-dim): finiteness without a norm."""
-        ok = torch.stack([torch.isfinite(t).all() for t in self.grads.own()]).all()
+        """0 when this rank's own gradients are finite, inf otherwise (float64 0-dim): finiteness from each
+        buffer's largest magnitude (an inf norm, which propagates nan and cannot overflow), one multi-tensor kernel
+        reading each buffer once instead of an isfinite mask per buffer (issue 25)."""
+        ok = torch.stack(torch._foreach_norm(self.grads.own(), float("inf"))).isfinite().all()
         return torch.where(ok, 0.0, float("inf")).double()
 
     def grad_sq_norm(self) -> torch.Tensor:

@@ -17,7 +17,8 @@ frame (out, in) the dense frame; index int64 [k, r * c] (row i: matrix i's flat 
     host_stats(coefficients) -> per-matrix statistics known on the host (TANS: ramp_gamma).
 
 Element-wise phases are a handful of broadcast kernels per group; Newton-Schulz runs once per group on the
-[k, out, in] batch (newton_schulz.py); scatter/gather between the frames are one scatter_/gather each.
+[k, out, in] batch (newton_schulz.py); scatter/gather between the frames are one scatter_/gather each, the dense
+frame built and read in NS's compute dtype (bf16 on a GPU) with the normalizations done on the values.
 A zero weight decay skips the decay multiply (x * 1.0 is x: the reference's numbers are unchanged).
 Pure tensor functions: no distributed code, no config objects, no logging.
 """
@@ -66,13 +67,18 @@ def _addcdiv_(target: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value:
 
 # ---- TANS (rules_tans.py) ----------------------------------------------------------------------------------------
 
+def _scatter(index: torch.Tensor | None, frame: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda values: to_dense_stacked(values, index, frame)
+
+
 def _geometry(update: torch.Tensor, hp: TansHParams, index: torch.Tensor | None, frame: tuple[int, int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_M [k, r, c], O [k, out, in]): NS of each normalized scattered update, and its projection to each mask."""
-    dense = to_dense_stacked(update, index, frame)
-    x0 = dense / (torch.linalg.matrix_norm(dense, keepdim=True) + hp.eps)
-    ortho = newton_schulz(x0, hp.ns_steps, hp.ns_coefficients)
-    return to_values_stacked(ortho, index, update.shape), ortho
+    """(O_M fp32 [k, r, c], O [k, out, in] in Newton-Schulz's compute dtype): NS of each normalized scattered
+    update, and its projection to each mask. X0 = scatter(U) / (||U|| + eps) and NS's own normalization run as one
+    division on the values, and the scatter writes NS's compute dtype (newton_schulz's `scatter`, `pre_eps`):
+    no fp32 pass over a dense frame (issue 25)."""
+    ortho = newton_schulz(update, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame), pre_eps=hp.eps)
+    return to_values_stacked(ortho, index, update.shape).float(), ortho
 
 
 def _rms_scale(update: torch.Tensor, ortho_m: torch.Tensor, ortho: torch.Tensor, hp: TansHParams,
@@ -155,8 +161,9 @@ def muon_kernel(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch
     momentum = slots["momentum"]
     momentum.lerp_(grad, 1 - hp.momentum)
     update = grad.lerp(momentum, hp.momentum) if hp.nesterov else momentum
-    ortho = newton_schulz(to_dense_stacked(update, index, frame), hp.ns_steps, hp.ns_coefficients)
+    ortho = newton_schulz(update, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame))
     _decay(master, lr, hp.weight_decay)
+    # add_ upcasts NS's compute dtype inside its kernel
     master.add_(to_values_stacked(ortho, index, master.shape), alpha=-lr * max(1.0, frame[0] / frame[1]) ** 0.5)
 
 
