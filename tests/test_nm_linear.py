@@ -144,7 +144,7 @@ def test_the_one_dense_weight_sized_tensor_saved_for_backward_is_the_decompresse
 def test_a_forward_and_backward_decompress_the_weight_once(spec):
     # The decompression (nm.decompress_groups) is one mul of the values by one-hot rows at N = 1, new_zeros +
     # scatter_ above; a backward rebuilding W would add a second. The codes are looked up twice (forward's
-    # decompression, backward's gather): a cast and an embedding each.
+    # decompression, backward's gather): an embedding each, from one int32 key cast in forward.
     count_ops = import_tool("benchlib").count_ops
     layer = NMSparseLinear(16, 12, spec)
     x = torch.randn(5, 16, requires_grad=True)
@@ -154,17 +154,22 @@ def test_a_forward_and_backward_decompress_the_weight_once(spec):
     assert by_op["aten.scatter_.src"] == by_op["aten.new_zeros.default"] == scatters, by_op
     assert by_op["aten.mul.Tensor"] == 1 - scatters, by_op   # sum().backward() expands, it does not multiply
     assert by_op["aten.embedding.default"] == 2 and by_op["aten.gather.default"] == 1, by_op
+    assert by_op["aten._to_copy.default"] == 1, by_op   # the key, cast once for both lookups
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_the_function_saves_the_codes_and_no_index(spec):
+def test_the_function_saves_the_codes_and_their_int32_key_and_no_index(spec):
+    # The key (4 B per code byte) is the codes widened for the lookups, cast once in forward; no int64 positions or
+    # flat index (8 B per kept value) is saved.
     layer = NMSparseLinear(16, 12, spec, bias=True)
     saved = []
     with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = layer(torch.randn(5, 16, requires_grad=True))
     integer = [t for t in saved if not t.is_floating_point()]
-    assert len(integer) == 1 and integer[0].dtype == torch.uint8
-    assert integer[0].data_ptr() == layer.codes.data_ptr()   # the layer's buffer itself, not a copy
+    assert [t.dtype for t in integer] == [torch.uint8, torch.int32], [t.dtype for t in integer]
+    codes, key = integer
+    assert codes.data_ptr() == layer.codes.data_ptr()   # the layer's buffer itself, not a copy
+    assert key.shape == codes.shape and torch.equal(key, codes.int())
     y.sum().backward()
 
 

@@ -2,11 +2,12 @@
 
 Shape legend: T tokens (any leading dims), I in_features, O out_features, K = I * N / 4 kept per row, G = I / 4.
 
-    forward:   W = decompress_groups(values, codes)  [O, I] (saved for backward, freed after it)
-                 N = 1: values x one_hot_table[codes]  one-hot rows [O, G, 1, 4], transient: one mul
-                 N > 1: zeros.scatter(pos, values)     pos = table[codes], int64 [O, G, N], transient
+    forward:   key = int32(codes)                    (saved for backward: 4 B per code byte)
+               W = decompress_groups(values, key)    [O, I] (saved for backward, freed after it)
+                 N = 1: values x one_hot_table[key]    one-hot rows [O, G, 1, 4], transient: one mul
+                 N > 1: zeros.scatter(pos, values)     pos = table[key], int64 [O, G, N], transient
                y = x @ W^T (+ b)                     [T, O]
-    backward:  pos = table[codes]                    (W is the forward's: no second decompression)
+    backward:  pos = table[key]                      (W and key are the forward's: no second decompression, no cast)
                grad_x      = g @ W                   [T, I]
                grad_values = gather(g^T @ x, pos)    [O, K]  (only kept positions leave the Function)
 
@@ -19,15 +20,18 @@ the wins are memory, optimizer state and communication; speed comes from 2:4 ker
 Launches (issue 25 item 2): the positions come from a lookup table from code bytes (row-wise) or motif ids (block-
 wise) to positions inside each group of 4 columns, and W is one scatter into the matrix viewed as groups (at N = 1
 one multiply by the same table as one-hot rows: as many bytes at bf16 as the int64 positions, one kernel fewer); no
-flat index is computed. A lookup is a cast and an embedding (2 kernels), so forward + backward dispatch 1.9x at 1:4
-(row-wise: 19 ops, 9 of them kernels) and 2.0x above (20, 10), block-wise 2.1x and 2.2x, the aten ops of nn.Linear
-(10), views included (2.4x and 2.6x when backward scattered W again), where rebuilding the flat int64 index
-(row * I + group offset + table entry) took 5.3-6.1x. The alternative, one index derived once per step and shared
-by forward and backward, was not taken: kept in the module it is 8 B per kept value between calls (4x the bf16
-values, against the memory target) and needs invalidating at every refresh, `set_codes`, checkpoint load and
-in-place all-gather of the codes; saved in the Function it stays alive from forward to backward in every layer at
-once (at 1:4 the size of the dense bf16 weight), while the lookup it would save in backward is 2 kernels. Nothing is
-cached, so activation checkpointing re-runs the same forward (DESIGN decision 16)."""
+flat index is computed. The lookup's key is the codes cast to int32 (an embedding takes no uint8 index), cast once
+in forward and saved for backward's lookup: 4 B per code byte held from forward to backward (1/8 of a bf16 W, 1/4
+at 2:4 row-wise; the codes themselves are saved anyway), for one launch fewer per call (on an H200 the launches, not the
+bytes, are what the lookups cost: 336 calls per 350m step). Forward + backward (tools/bench_layer.py's count,
+views included) dispatch 16 aten ops at 1:4 row-wise (7 of them kernels), 17 at 2:4, block-wise 18 and 19, against
+nn.Linear's 7 (2.3-2.7x; one op more each with a cast per lookup), where rebuilding the flat int64 index (row * I +
+group offset + table entry) took 5.3-6.1x. Not taken: the positions themselves (or one index derived once per step)
+shared by forward and backward: kept in the module it is 8 B per kept value between calls (4x the bf16 values,
+against the memory target) and needs invalidating at every refresh, `set_codes`, checkpoint load and in-place
+all-gather of the codes; saved in the Function it stays alive from forward to backward in every layer at once (at
+1:4 the size of the dense bf16 weight), while the embedding it would save in backward is 1 kernel. Nothing is
+cached between calls, so activation checkpointing re-runs the same forward (DESIGN decision 16)."""
 
 from __future__ import annotations
 
@@ -39,37 +43,38 @@ import torch.nn.functional as F
 
 from distsparse.nm import (
     NMMeta, NMSpec, codes_shape, decompress, decompress_groups, encode, gather_groups, is_legal, kept_index,
-    kept_positions, random_mask,
+    kept_positions, lookup_key, random_mask,
 )
 
 INIT_MODES = ("swi", "hf")
 
 
 class NMLinearFunction(torch.autograd.Function):
-    """y = x @ decompress(values)^T + b; saves x, the decompressed weight W and the codes: backward multiplies by the
-    forward's W instead of scattering it again, and looks the positions up from the codes for the gather of the
-    weight gradient, so no index-sized tensor is saved. Saving the codes also lets autograd refuse a backward after
-    the codes changed in place (a topology installed mid-step)."""
+    """y = x @ decompress(values)^T + b; saves x, the decompressed weight W, the codes and their int32 lookup key:
+    backward multiplies by the forward's W instead of scattering it again, and looks the positions up from the key
+    for the gather of the weight gradient, so no index-sized tensor is saved. Saving the codes also lets autograd
+    refuse a backward after the codes changed in place (a topology installed mid-step)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, values: torch.Tensor, codes: torch.Tensor, spec: NMSpec,
                 in_features: int, bias: torch.Tensor | None) -> torch.Tensor:
         shape = (values.shape[0], in_features)
-        weight = decompress_groups(values, NMMeta(codes, spec, shape))
-        ctx.save_for_backward(x, weight, codes)
+        key = lookup_key(codes)
+        weight = decompress_groups(values, NMMeta(codes, spec, shape), key)
+        ctx.save_for_backward(x, weight, codes, key)
         ctx.spec, ctx.kept = spec, values.shape[1]
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, weight, codes = ctx.saved_tensors
+        x, weight, codes, key = ctx.saved_tensors
         grad_x = grad_values = grad_bias = None
         grad_y2 = grad_y.flatten(0, -2)   # [T, O]; flatten returns 2-D tensors as they are, without an op
         if ctx.needs_input_grad[0]:
             grad_x = grad_y @ weight   # matmul keeps the leading dims
         if ctx.needs_input_grad[1]:
-            positions = kept_positions(NMMeta(codes, ctx.spec, tuple(weight.shape)))
+            positions = kept_positions(NMMeta(codes, ctx.spec, tuple(weight.shape)), key)
             grad_w = grad_y2.t() @ x.flatten(0, -2).to(grad_y2.dtype)
             grad_values = gather_groups(grad_w, positions, ctx.kept).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[5]:

@@ -11,7 +11,8 @@ Values + codes are everything a matrix holds (issue 19). Two transients are deri
 dropped, never cached (8 B per kept value, 4x the bf16 values they address):
   `kept_positions`  position of each kept value inside its group of 4 columns: one table lookup per code byte or
                     block and nothing else, for `scatter_groups` / `gather_groups` (decompress and the gather of a
-                    gradient in the layer's forward and backward: a handful of kernels, issue 25)
+                    gradient in the layer's forward and backward: a handful of kernels, issue 25); its key, the
+                    codes cast to int32 (`lookup_key`, 4 B per code byte), can be cast once for two lookups
   `kept_index`      the flat position in [out, in]: the lookup plus row and group offsets, for callers that need
                     flat positions (slot maps, refresh, the optimizer rules' scatter and gather)
 Pure tensor functions: no distributed code, no config objects.
@@ -198,13 +199,21 @@ def _motif_row_one_hot(n: int, dtype: torch.dtype, device: torch.device) -> torc
     return F.one_hot(cols, M).view(cols.shape[0], -1).to(device, dtype)
 
 
-def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+def lookup_key(codes: torch.Tensor) -> torch.Tensor:
+    """The codes widened to int32, the key of the lookups below (an embedding takes int32 or int64 indices, not
+    uint8): one cast, 4 B per code byte. A caller that looks up the same codes twice casts once and passes it."""
+    return codes.int()
+
+
+def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, tail: tuple[int, ...],
+            key: torch.Tensor | None) -> torch.Tensor:
     """Per kept value, the `tail`-shaped entry of a lookup table keyed by code byte (row-wise, 4 entries per row of
-    `row_table`) or by motif id (block-wise, 4 * n per row), laid out as `kept_positions` documents."""
+    `row_table`) or by motif id (block-wise, 4 * n per row), laid out as `kept_positions` documents; `key` is
+    `lookup_key(meta.codes)` (None: cast here)."""
     out_f, in_f = meta.shape
     n = meta.spec.n
     # An embedding lookup (index_select of table rows): advanced indexing `table[key]` measured 3-5x slower on CPU.
-    key = meta.codes.long()
+    key = lookup_key(meta.codes) if key is None else key
     if meta.spec.layout == "block":
         blocks_out, blocks_in = key.shape
         cols = F.embedding(key, block_table)                                      # [BO, BI, 4 * n * tail]
@@ -216,7 +225,7 @@ def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, ta
     return pos.view(out_f, in_f // M, n, *tail)
 
 
-def kept_positions(meta: NMMeta) -> torch.Tensor:
+def kept_positions(meta: NMMeta, key: torch.Tensor | None = None) -> torch.Tensor:
     """int64 position (0-3) of every kept value inside its group of 4 input columns, derived from the codes by one
     table lookup per code byte (row-wise) or per block (block-wise), with no index arithmetic. Shaped so that
     `values.view(pos.shape)` and the dense matrix viewed as `(*pos.shape[:-1], 4)` line up, for `scatter_groups`
@@ -226,21 +235,23 @@ def kept_positions(meta: NMMeta) -> torch.Tensor:
         block-wise  [out / 4, 4, in / 4, N] (block-row, row in block, block, kept), a strided view
 
     Both layouts keep values row-major with N per 4-column group (a transposable block keeps N per row too), so the
-    groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value)."""
+    groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value).
+    `key`: `lookup_key(meta.codes)` when the caller has it (None: one cast more)."""
     device = meta.codes.device
-    return _lookup(meta, _byte_positions(device), _motif_row_columns(meta.spec.n, device), ())
+    return _lookup(meta, _byte_positions(device), _motif_row_columns(meta.spec.n, device), (), key)
 
 
-def decompress_groups(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
+def decompress_groups(values: torch.Tensor, meta: NMMeta, key: torch.Tensor | None = None) -> torch.Tensor:
     """Dense [out, in] of `values`' dtype, the matrix `scatter_groups(values, kept_positions(meta), meta.shape)`
     builds. At N = 1 a group holds one value, so the group is that value times the one-hot row of its position:
     one multiply (the lookup gives one-hot rows instead of positions, as many bytes at bf16), where the scatter
     is two kernels (zeros, then scatter). Equal for finite values (a zero slot is +-0; an inf value would write
-    nan beside it, where a scatter leaves zeros)."""
+    nan beside it, where a scatter leaves zeros). `key` as for `kept_positions`."""
     if meta.spec.n != 1:
-        return scatter_groups(values, kept_positions(meta), meta.shape)
+        return scatter_groups(values, kept_positions(meta, key), meta.shape)
     device, n = meta.codes.device, meta.spec.n
-    one_hot = _lookup(meta, _byte_one_hot(values.dtype, device), _motif_row_one_hot(n, values.dtype, device), (M,))
+    one_hot = _lookup(meta, _byte_one_hot(values.dtype, device), _motif_row_one_hot(n, values.dtype, device), (M,),
+                      key)
     # values first: the product then takes values' row-major layout, also against the block-wise strided view
     return (values.view(*one_hot.shape[:-1], 1) * one_hot).view(meta.shape)
 
