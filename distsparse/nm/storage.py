@@ -256,6 +256,95 @@ def decompress_groups(values: torch.Tensor, meta: NMMeta, key: torch.Tensor | No
     return (values.view(*one_hot.shape[:-1], 1) * one_hot).view(meta.shape)
 
 
+# ---- bags: the decompression and its gradient gather as one embedding-bag kernel each (issue 25) ----------------
+# A bag is the run of slots whose kept values fill a span of whole groups: row-wise the 4 slots of a code byte (the 4
+# P of a 3-byte period at 3:4, whose groups cross byte boundaries), block-wise the n slots of one row of a 4x4 block.
+# Each slot's key picks a table row that is the one-hot of its column inside the span, so
+#     W[span]          = sum over the bag's slots of value x table[key]       (embedding_bag, per_sample_weights)
+#     grad_value[slot] = <grad_W[span], table[key]>                           (its per-sample-weights gradient)
+# are one kernel each: no positions, no zeros to scatter into, no gather index. Every column of a span is the one-hot
+# of at most one slot, so both are exact for finite numbers (an inf or nan elsewhere in a span reaches the slot as
+# nan, as the N = 1 multiply of `decompress_groups` does).
+
+def _bag_period(n: int) -> int:
+    return 3 if n == 3 else 1
+
+
+def bags_tile(meta: NMMeta) -> bool:
+    """True when the slots fill whole bags (always block-wise; row-wise unless the last code byte of each row has
+    padding slots, or a 3:4 row ends inside a 3-byte period). The widths of the models always do."""
+    if meta.spec.layout == "block":
+        return True
+    num_bytes = meta.codes.shape[1]
+    return num_bytes * M == meta.kept_per_row and num_bytes % _bag_period(meta.spec.n) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_slots(n: int, layout: str, device: torch.device) -> torch.Tensor:
+    """int32: the offset of each slot's key from code x slots-per-bag, shaped to broadcast against the codes."""
+    cpu = torch.device("cpu")
+    if layout == "block":
+        return torch.arange(M * n, dtype=torch.int32, device=cpu).view(1, M, 1, n).to(device)   # row * n + t
+    period = _bag_period(n)
+    return torch.arange(M * period, dtype=torch.int32, device=cpu).view(period, M).to(device)  # phase * 4 + slot
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_table(n: int, layout: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[keys, span] of `dtype`: row `key` is the one-hot of that slot's column in its span (module section above)."""
+    if layout == "block":
+        cols = _motif_columns(n, torch.device("cpu")).reshape(-1)                       # [P * 4 * n], 0..3
+        return F.one_hot(cols, M).to(device, dtype)
+    period = _bag_period(n)
+    # _row_slot_table: [phase * 256 + byte, slot] -> column in the span; keys run byte-major (byte * 4P + q).
+    cols = _row_slot_table(n, torch.device("cpu")).view(period, 256, M).transpose(0, 1).reshape(-1)
+    return F.one_hot(cols, M * M * period // n).to(device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_layout(bags: int, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (offsets [bags]: first slot of each bag, bag [bags * slots]: the bag of each slot), per shape."""
+    cpu = torch.device("cpu")
+    offsets = torch.arange(0, bags * slots, slots, dtype=torch.int32, device=cpu)
+    of_slot = torch.arange(bags, dtype=torch.int32, device=cpu).repeat_interleave(slots)
+    return offsets.to(device), of_slot.to(device)
+
+
+def bag_key(meta: NMMeta) -> torch.Tensor:
+    """int32 [bags, slots per bag]: every slot's table row, code x slots-per-bag + its slot offset, in values order.
+    One add: uint8 codes plus an int32 offset promote to int32, so no separate cast (needs `bags_tile`)."""
+    codes, n = meta.codes, meta.spec.n
+    slots = _bag_slots(n, meta.spec.layout, codes.device)
+    if meta.spec.layout == "block":
+        blocks_out, blocks_in = codes.shape
+        return torch.add(slots, codes.view(blocks_out, 1, blocks_in, 1), alpha=M * n).view(-1, n)
+    period = _bag_period(n)
+    return torch.add(slots, codes.view(codes.shape[0], -1, period, 1), alpha=M * period).view(-1, M * period)
+
+
+def decompress_bags(values: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
+    """`decompress(values, meta)` as one embedding-bag kernel from `bag_key(meta)` (section above)."""
+    bags, slots = key.shape
+    offsets, _ = _bag_layout(bags, slots, key.device)
+    table = _bag_table(meta.spec.n, meta.spec.layout, values.dtype, key.device)
+    # padding_idx None: no padding row (-1 here would make the last table row one). Detached: the forward-only
+    # kernel (callers that differentiate take `gather_bags`, as NMLinearFunction's backward does).
+    psw = values.detach().reshape(-1)
+    dense = torch.embedding_bag(table, key.view(-1), offsets, False, 0, False, psw, False, None)[0]
+    return dense.view(meta.shape)
+
+
+def gather_bags(dense: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
+    """Values [out, k] of a contiguous dense [out, in] at the kept positions (`gather_groups`' result) as one kernel
+    from `bag_key(meta)`: the per-sample-weights gradient of `decompress_bags` (section above)."""
+    bags, slots = key.shape
+    offsets, of_slot = _bag_layout(bags, slots, key.device)
+    table = _bag_table(meta.spec.n, meta.spec.layout, dense.dtype, key.device)
+    out = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        dense.reshape(bags, -1), table, key.view(-1), offsets, of_slot, 0, -1)
+    return out.view(meta.shape[0], -1)
+
+
 def scatter_groups(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """Dense [out, in] with `values` [out, k] at their `kept_positions` and zeros elsewhere: one scatter into the
     matrix viewed as groups of 4 columns. The same matrix as `scatter_kept(values, kept_index(meta), shape)`."""
