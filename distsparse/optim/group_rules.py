@@ -57,6 +57,14 @@ def _decay(master: torch.Tensor, lr: float, weight_decay: float) -> None:
         master.mul_(1 - lr * weight_decay)
 
 
+def _add_scaled_(target: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | float, value: float) -> None:
+    """target += value * scale * x, scale a float or [k, 1, 1]."""
+    if isinstance(scale, torch.Tensor):
+        target.addcmul_(x, scale, value=value)
+    else:
+        target.add_(x, alpha=value * scale)
+
+
 def _addcdiv_(target: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value: Coefficient) -> None:
     """target += value * num / den, value a float or [k, 1, 1]."""
     if isinstance(value, torch.Tensor):
@@ -138,6 +146,14 @@ def tans_kernel(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch
             _split_graph()
             ortho_m, ortho = _geometry(base, hp, index, frame)
             scale = _rms_scale(base, ortho_m, ortho, hp, frame)
+            if not stats and not isinstance(gamma, torch.Tensor):
+                # The same step without U' (nothing reports it): theta -= c (1 - gamma) U + c gamma s O_M, two
+                # passes over the masters instead of a product, a lerp and an add over the values.
+                _decay(master, lr, hp.weight_decay)
+                c = -lr * (frame[0] / frame[1]) ** 0.5
+                master.add_(base, alpha=c * (1 - gamma))
+                _add_scaled_(master, ortho_m, scale, c * gamma)
+                return None
             direction = base.lerp(ortho_m * scale, gamma)   # U + gamma (s O_M - U)
     _decay(master, lr, hp.weight_decay)
     master.add_(direction, alpha=-lr * (frame[0] / frame[1]) ** 0.5)
