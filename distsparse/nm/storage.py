@@ -310,38 +310,43 @@ def _bag_layout(bags: int, slots: int, device: torch.device) -> tuple[torch.Tens
     return offsets.to(device), of_slot.to(device)
 
 
+def _slots_per_bag(spec: NMSpec) -> int:
+    return spec.n if spec.layout == "block" else M * _bag_period(spec.n)
+
+
 def bag_key(meta: NMMeta) -> torch.Tensor:
-    """int32 [bags, slots per bag]: every slot's table row, code x slots-per-bag + its slot offset, in values order.
-    One add: uint8 codes plus an int32 offset promote to int32, so no separate cast (needs `bags_tile`)."""
+    """int32 [out * k]: every slot's table row, code x slots-per-bag + its slot offset, in values order (bag after
+    bag). One add: uint8 codes plus an int32 offset promote to int32, so no separate cast (needs `bags_tile`)."""
     codes, n = meta.codes, meta.spec.n
     slots = _bag_slots(n, meta.spec.layout, codes.device)
     if meta.spec.layout == "block":
         blocks_out, blocks_in = codes.shape
-        return torch.add(slots, codes.view(blocks_out, 1, blocks_in, 1), alpha=M * n).view(-1, n)
+        return torch.add(slots, codes.view(blocks_out, 1, blocks_in, 1), alpha=M * n).view(-1)
     period = _bag_period(n)
-    return torch.add(slots, codes.view(codes.shape[0], -1, period, 1), alpha=M * period).view(-1, M * period)
+    return torch.add(slots, codes.view(codes.shape[0], -1, period, 1), alpha=M * period).view(-1)
 
 
 def decompress_bags(values: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
     """`decompress(values, meta)` as one embedding-bag kernel from `bag_key(meta)` (section above)."""
-    bags, slots = key.shape
-    offsets, _ = _bag_layout(bags, slots, key.device)
+    slots = _slots_per_bag(meta.spec)
+    offsets, _ = _bag_layout(key.numel() // slots, slots, key.device)
     table = _bag_table(meta.spec.n, meta.spec.layout, values.dtype, key.device)
     # padding_idx None: no padding row (-1 here would make the last table row one). Detached: the forward-only
     # kernel (callers that differentiate take `gather_bags`, as NMLinearFunction's backward does).
     psw = values.detach().reshape(-1)
-    dense = torch.embedding_bag(table, key.view(-1), offsets, False, 0, False, psw, False, None)[0]
+    dense = torch.embedding_bag(table, key, offsets, False, 0, False, psw, False, None)[0]
     return dense.view(meta.shape)
 
 
 def gather_bags(dense: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
     """Values [out, k] of a contiguous dense [out, in] at the kept positions (`gather_groups`' result) as one kernel
     from `bag_key(meta)`: the per-sample-weights gradient of `decompress_bags` (section above)."""
-    bags, slots = key.shape
+    slots = _slots_per_bag(meta.spec)
+    bags = key.numel() // slots
     offsets, of_slot = _bag_layout(bags, slots, key.device)
     table = _bag_table(meta.spec.n, meta.spec.layout, dense.dtype, key.device)
     out = torch.ops.aten._embedding_bag_per_sample_weights_backward(
-        dense.reshape(bags, -1), table, key.view(-1), offsets, of_slot, 0, -1)
+        dense.reshape(bags, -1), table, key, offsets, of_slot, 0, -1)
     return out.view(meta.shape[0], -1)
 
 
