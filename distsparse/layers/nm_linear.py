@@ -15,7 +15,7 @@ gather(g^T @ x, table[key]).
 
 Activation memory (issue 25): W is held from forward to backward, one dense weight per projection in the weight
 dtype (at 350m, 24 x (4 x 1024^2 + 3 x 1024 x 2736) x 2 B = 0.60 GB of bf16 backbone weights at once, beside tens of
-GB of activations), and beside it the key, 4 B per kept value (half a bf16 W at 1:4, a whole one at 2:4: 0.15 GB at
+GB of activations), and beside it the key, 4 B per kept value (half a bf16 W at 1:4, a whole one at 2:4: 0.30 GB at
 350m 1:4); between calls a layer still holds its values and codes only (issue 19: an index cache was 4 B per kept
 value, more than the bf16 values). Training executes dense GEMMs on the decompressed weight (DESIGN s6): the wins
 are memory, optimizer state and communication; speed comes from 2:4 kernels at inference.
