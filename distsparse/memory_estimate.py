@@ -27,8 +27,9 @@ Parts (DESIGN s6; bench/scale_check.py's docstring says how each is measured):
                      per layer s*b*h*(34 + 5*a*s/h) bytes without activation checkpointing, ~2*s*b*h bytes (the
                      layer's saved input) with model.activation_checkpointing
   decompressed_weights  the dense W each sparse projection's forward keeps for its backward (layers/nm_linear.py:
-                     no second decompression), dtype x out x in: every layer's without activation checkpointing,
-                     one layer's (the layer being recomputed) with it
+                     no second decompression), dtype x out x in, and the int32 key it was built from saved beside it
+                     (4 B per kept value; the models' widths always tile whole bags): every layer's without
+                     activation checkpointing, one layer's (the layer being recomputed) with it
 Not counted: buffers inside the collectives, the logits and loss, and the allocator's fragmentation.
 """
 
@@ -170,8 +171,9 @@ def activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, la
 
 def decompressed_weight_bytes(matrices: dict[str, dict[str, Any]], layers: int, checkpointing: bool,
                               dtype_bytes: int) -> int:
-    """The dense weights the sparse layers hold from forward to backward (module docstring)."""
-    total = dtype_bytes * sum(m["frame"][0] * m["frame"][1] for m in matrices.values() if m["codes"])
+    """The dense weights and int32 keys the sparse layers hold from forward to backward (module docstring)."""
+    total = sum(dtype_bytes * m["frame"][0] * m["frame"][1] + 4 * m["param"][0] * m["param"][1]
+                for m in matrices.values() if m["codes"])
     return total // layers if checkpointing else total
 
 

@@ -58,8 +58,9 @@ def test_tiny_plan_matches_a_hand_computation_and_the_real_layers():
         assert rank["transient"]["reduce_bucket"] == 4 * DENSE_SIDE       # 5e8-element bucket, touched to n
         # Korthikanti et al.: s*b*h*(34 + 5*a*s/h) per layer, bf16; fp32 doubles it. s = 64, b = 3, h = 64, a = 4.
         assert rank["activations"]["activations"] == 2 * LAYERS * (64 * 3 * 64 * 34 + 5 * 4 * 64 * 64 * 3)
-        # The forward's dense W of every sparse projection, held for backward (fp32 here).
-        assert rank["activations"]["decompressed_weights"] == 4 * DENSE
+        # The forward's dense W of every sparse projection, held for backward (fp32 here), and its int32 key (one
+        # per kept value).
+        assert rank["activations"]["decompressed_weights"] == 4 * DENSE + 4 * KEPT
     backbone = [r["backbone"] for r in plan["ranks"]]
     # Masters, V and P of each owned value, plus int64 tau and step counters per owned matrix, split over 2 ranks.
     assert sum(b["optimizer_state"] for b in backbone) == 12 * KEPT + 2 * 8 * MATRICES
@@ -87,7 +88,8 @@ def test_tiny_plan_follows_dtype_world_size_stage_and_checkpointing():
         # kept values) go to ranks 0-5, the eight attention ones (1024) to 6, 7, 6, 7, 6, 7, then 0 and 1: 3840.
         assert rank["backbone"]["grad_buffer"] == 4 * 8 * (2816 + 1024)
         assert rank["activations"]["activations"] == LAYERS * 2 * 64 * 3 * 64   # checkpointed: 2*s*b*h per layer
-        assert rank["activations"]["decompressed_weights"] == 2 * DENSE // LAYERS   # one recomputed layer's W
+        # one recomputed layer's W and int32 key
+        assert rank["activations"]["decompressed_weights"] == (2 * DENSE + 4 * KEPT) // LAYERS
     assert sum(r["backbone"]["optimizer_state"] for r in plan["ranks"]) == 12 * KEPT + 2 * 8 * MATRICES
     zero1, _ = _tiny(2, ds="zero1")
     assert zero1["zero_stage"] == 1

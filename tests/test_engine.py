@@ -252,3 +252,21 @@ def test_reset_none_shadows_travel_with_the_state_dict():
     saved[name] = {k: v for k, v in saved[name].items() if not k.startswith("shadow.")}
     with pytest.raises(KeyError, match="reset mode 'none' needs its shadow"):
         fresh.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")], ids=["finite", "nan", "inf", "-inf"])
+def test_local_grads_nonfinite_flags_any_nan_or_inf_and_takes_empty_buffers(bad):
+    # 0 for finite gradients (huge ones included: finiteness, not a norm that could overflow), inf for any nan or
+    # +-inf; a rank owning no matrix of a bucket holds an empty buffer, which must not raise (its ranks would hang).
+    _, _, backbone = _tiny("chtsnm_nobranch_1of4_row", layers=1)
+    engine = MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(lr=1e-3))
+    own = engine.grads.own()
+    for i, t in enumerate(own):
+        t.fill_(3e38 if i == 0 else 1.0)
+    if bad is not None:
+        own[-1].view(-1)[own[-1].numel() // 2] = bad
+    engine.grads.own = lambda: [torch.empty(0), *own]
+    expected = 0.0 if bad is None else float("inf")
+    assert engine.local_grads_nonfinite().item() == expected
+    engine.grads.own = lambda: [torch.empty(0)]
+    assert engine.local_grads_nonfinite().item() == 0.0

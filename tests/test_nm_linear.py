@@ -115,14 +115,15 @@ def test_forward_and_backward_dispatch_at_most_three_times_the_ops_of_nn_linear(
     assert sparse <= 3 * linear and permuted <= 3 * linear, (sparse, permuted, linear)
 
 
-@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2, 4, "block")], ids=str)
-def test_function_passes_gradcheck_in_float64(spec):
-    layer = NMSparseLinear(8, 8, spec, dtype=torch.float64)
+@pytest.mark.parametrize("spec, in_f", [(NMSpec(1), 8), (NMSpec(1), 16), (NMSpec(2, 4, "block"), 8)],
+                         ids=["1:4-row-lookup", "1:4-row-bags", "2:4-block-bags"])
+def test_function_passes_gradcheck_in_float64(spec, in_f):
+    layer = NMSparseLinear(in_f, 8, spec, dtype=torch.float64)
     values = layer.values.detach().clone().requires_grad_(True)
     bias = torch.randn(8, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, in_f, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, v, b: NMLinearFunction.apply(x, v, layer.codes, spec, 8, b), (x, values, bias))
+        lambda x, v, b: NMLinearFunction.apply(x, v, layer.codes, spec, in_f, b), (x, values, bias))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -141,29 +142,49 @@ def test_the_one_dense_weight_sized_tensor_saved_for_backward_is_the_decompresse
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_a_forward_and_backward_decompress_the_weight_once(spec):
-    # The decompression (nm.decompress_groups) is one mul of the values by one-hot rows at N = 1, new_zeros +
-    # scatter_ above; a backward rebuilding W would add a second. The codes are looked up twice (forward's
-    # decompression, backward's gather): a cast and an embedding each.
-    layer = NMSparseLinear(16, 12, spec)
-    x = torch.randn(5, 16, requires_grad=True)
+@pytest.mark.parametrize("in_f", [16, 20])   # 20: padding slots at 1:4, 2:4 and 3:4 row-wise (the group lookup)
+def test_a_forward_and_backward_decompress_the_weight_once(spec, in_f):
+    # Bags (every block-wise shape, row-wise widths without padding slots): one add for the key, one embedding bag
+    # for W, one per-sample-weights gradient for grad_values, and nothing else beside the GEMMs. The group lookup
+    # (padding slots): one cast, one embedding each way, W by one mul of one-hot rows at N = 1 or new_zeros +
+    # scatter_ above, one gather. A backward rebuilding W would add a second decompression either way.
+    layer = NMSparseLinear(in_f, 12, spec)
+    x = torch.randn(5, in_f, requires_grad=True)
     layer(x).sum().backward()   # the lookup tables are built on a first call
     by_op = count_ops(lambda: layer(x).sum().backward())[0].by_op
-    scatters = 0 if spec.n == 1 else 1
-    assert by_op["aten.scatter_.src"] == by_op["aten.new_zeros.default"] == scatters, by_op
-    assert by_op["aten.mul.Tensor"] == 1 - scatters, by_op   # sum().backward() expands, it does not multiply
-    assert by_op["aten.embedding.default"] == 2 and by_op["aten.gather.default"] == 1, by_op
+    if spec.layout == "block" or in_f == 16:
+        assert by_op["aten._embedding_bag_forward_only.default"] == 1, by_op
+        assert by_op["aten._embedding_bag_per_sample_weights_backward.default"] == 1, by_op
+        assert by_op["aten.add.Tensor"] == 1 and by_op["aten._to_copy.default"] == 0, by_op   # the key, no cast
+        kernels = {"aten.mm.default", "aten.add.Tensor", "aten._embedding_bag_forward_only.default",
+                   "aten._embedding_bag_per_sample_weights_backward.default", "aten.sum.default",
+                   "aten.ones_like.default", "aten.add_.Tensor"}   # sum().backward(), grad accumulation into .grad
+        views = {"aten.view.default", "aten.t.default", "aten.expand.default", "aten._unsafe_view.default",
+                 "aten.detach.default"}
+        assert set(by_op) <= kernels | views, by_op
+    else:
+        scatters = 0 if spec.n == 1 else 1
+        assert by_op["aten.scatter_.src"] == by_op["aten.new_zeros.default"] == scatters, by_op
+        assert by_op["aten.mul.Tensor"] == 1 - scatters, by_op   # sum().backward() expands, it does not multiply
+        assert by_op["aten.embedding.default"] == 2 and by_op["aten.gather.default"] == 1, by_op
+        assert by_op["aten._to_copy.default"] == 1, by_op   # the key, cast once for both lookups
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_the_function_saves_the_codes_and_no_index(spec):
-    layer = NMSparseLinear(16, 12, spec, bias=True)
+@pytest.mark.parametrize("in_f", [16, 20])
+def test_the_function_saves_the_codes_and_one_int32_key_and_no_int64_index(spec, in_f):
+    # The key W was built from is saved for backward's gather: bags, 4 B per kept value (one table row per slot);
+    # the group lookup, the codes cast (4 B per code byte). No int64 positions or flat index (8 B per kept value).
+    layer = NMSparseLinear(in_f, 12, spec, bias=True)
     saved = []
     with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = layer(torch.randn(5, 16, requires_grad=True))
+        y = layer(torch.randn(5, in_f, requires_grad=True))
     integer = [t for t in saved if not t.is_floating_point()]
-    assert len(integer) == 1 and integer[0].dtype == torch.uint8
-    assert integer[0].data_ptr() == layer.codes.data_ptr()   # the layer's buffer itself, not a copy
+    assert [t.dtype for t in integer] == [torch.uint8, torch.int32], [t.dtype for t in integer]
+    codes, key = integer
+    assert codes.data_ptr() == layer.codes.data_ptr()   # the layer's buffer itself, not a copy
+    kept = layer.values.numel()
+    assert key.numel() == kept or torch.equal(key, codes.int()), (key.shape, codes.shape)
     y.sum().backward()
 
 

@@ -11,9 +11,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distsparse.nm import (
-    NMMeta, NMSpec, block_motifs, codes_shape, compress, decode, decompress, encode, gather_groups, gather_kept,
-    decompress_groups, is_legal, kept_index, kept_positions, mask_from_scores, motif_ids, move_slots, random_mask,
-    row_patterns, scatter_groups, scatter_kept, slot_map,
+    NMMeta, NMSpec, bag_key, bags_tile, block_motifs, codes_shape, compress, decode, decompress, decompress_bags,
+    encode, gather_bags, gather_groups, gather_kept, decompress_groups, is_legal, kept_index, kept_positions,
+    mask_from_scores, motif_ids, move_slots, random_mask, row_patterns, scatter_groups, scatter_kept, slot_map,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -228,6 +228,37 @@ def test_decompress_groups_equals_a_brute_force_decode_in_the_values_dtype(spec,
     assert torch.equal(dense.double(), brute_force_decompress(values.double(), meta.codes, spec, out_f, in_f))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(SPECS), st.integers(1, 5), st.integers(1, 13), st.integers(0, 2**31 - 1),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+@example(NMSpec(1), 3, 4, 0, torch.bfloat16)    # one code byte per 16 columns: 1 bag per byte
+@example(NMSpec(3), 2, 12, 0, torch.float32)    # 3:4: a bag is a 3-byte period, its groups cross byte boundaries
+@example(NMSpec(1), 3, 5, 0, torch.float32)     # padding slots: no bags
+def test_the_bags_decompress_and_gather_as_the_brute_force_decode_and_the_group_gather_bit_for_bit(
+        spec, rows, groups, seed, dtype):
+    # decompress_bags (embedding_bag of one-hot rows weighted by the values) and gather_bags (its per-sample-weights
+    # gradient) against the brute-force decode and gather_groups at the brute-force positions, exactly.
+    out_f, in_f = (4 * rows if spec.layout == "block" else rows), 4 * groups
+    gen = torch.Generator().manual_seed(seed)
+    meta = NMMeta(random_codes(spec, out_f, in_f, gen), spec, (out_f, in_f))
+    kept = in_f * spec.n // 4
+    tiles = spec.layout == "block" or (kept % 4 == 0 and (spec.n != 3 or kept % 12 == 0))   # no padding slots
+    assert bags_tile(meta) == tiles
+    if not tiles:
+        return
+    key = bag_key(meta)
+    assert key.dtype == torch.int32 and key.numel() == out_f * kept
+    values = torch.randn(out_f, kept, generator=gen, dtype=torch.float64).to(dtype)
+    dense = decompress_bags(values, meta, key)
+    assert dense.dtype == dtype and dense.shape == (out_f, in_f) and dense.is_contiguous()
+    assert torch.equal(dense.double(), brute_force_decompress(values.double(), meta.codes, spec, out_f, in_f))
+    grad = torch.randn(out_f, in_f, generator=gen, dtype=torch.float64).to(dtype)
+    pos = brute_force_positions(meta.codes, spec, out_f, in_f)                 # [out, in / 4, n], values order
+    expected = grad.view(out_f, in_f // 4, 4).gather(-1, pos).view(out_f, kept)
+    got = gather_bags(grad, meta, key)
+    assert got.dtype == dtype and torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=str)
 def test_kept_positions_and_the_decompressed_matrix_live_on_the_device_of_the_codes(spec):
     # The lookup tables are cached on the CPU and moved to the codes' device; meta tensors prove the move without a
@@ -239,6 +270,11 @@ def test_kept_positions_and_the_decompressed_matrix_live_on_the_device_of_the_co
     assert decompress(torch.empty(8, 16 * spec.n // 4, device="meta"), meta).device.type == "meta"
     dense = decompress_groups(torch.empty(8, 16 * spec.n // 4, device="meta", dtype=torch.bfloat16), meta)
     assert dense.device.type == "meta" and dense.dtype == torch.bfloat16 and dense.shape == (8, 16)
+    if bags_tile(meta):
+        key = bag_key(meta)
+        dense = decompress_bags(torch.empty(8, 16 * spec.n // 4, device="meta", dtype=torch.bfloat16), meta, key)
+        assert dense.device.type == "meta" and dense.dtype == torch.bfloat16 and dense.shape == (8, 16)
+        assert gather_bags(dense, meta, key).shape == (8, 16 * spec.n // 4)
 
 
 @FAST

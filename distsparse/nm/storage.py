@@ -11,7 +11,8 @@ Values + codes are everything a matrix holds (issue 19). Two transients are deri
 dropped, never cached (8 B per kept value, 4x the bf16 values they address):
   `kept_positions`  position of each kept value inside its group of 4 columns: one table lookup per code byte or
                     block and nothing else, for `scatter_groups` / `gather_groups` (decompress and the gather of a
-                    gradient in the layer's forward and backward: a handful of kernels, issue 25)
+                    gradient in the layer's forward and backward: a handful of kernels, issue 25); its key, the
+                    codes cast to int32 (`lookup_key`, 4 B per code byte), can be cast once for two lookups
   `kept_index`      the flat position in [out, in]: the lookup plus row and group offsets, for callers that need
                     flat positions (slot maps, refresh, the optimizer rules' scatter and gather)
 Pure tensor functions: no distributed code, no config objects.
@@ -198,13 +199,21 @@ def _motif_row_one_hot(n: int, dtype: torch.dtype, device: torch.device) -> torc
     return F.one_hot(cols, M).view(cols.shape[0], -1).to(device, dtype)
 
 
-def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, tail: tuple[int, ...]) -> torch.Tensor:
+def lookup_key(codes: torch.Tensor) -> torch.Tensor:
+    """The codes widened to int32, the key of the lookups below (an embedding takes int32 or int64 indices, not
+    uint8): one cast, 4 B per code byte. A caller that looks up the same codes twice casts once and passes it."""
+    return codes.int()
+
+
+def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, tail: tuple[int, ...],
+            key: torch.Tensor | None) -> torch.Tensor:
     """Per kept value, the `tail`-shaped entry of a lookup table keyed by code byte (row-wise, 4 entries per row of
-    `row_table`) or by motif id (block-wise, 4 * n per row), laid out as `kept_positions` documents."""
+    `row_table`) or by motif id (block-wise, 4 * n per row), laid out as `kept_positions` documents; `key` is
+    `lookup_key(meta.codes)` (None: cast here)."""
     out_f, in_f = meta.shape
     n = meta.spec.n
     # An embedding lookup (index_select of table rows): advanced indexing `table[key]` measured 3-5x slower on CPU.
-    key = meta.codes.long()
+    key = lookup_key(meta.codes) if key is None else key
     if meta.spec.layout == "block":
         blocks_out, blocks_in = key.shape
         cols = F.embedding(key, block_table)                                      # [BO, BI, 4 * n * tail]
@@ -216,7 +225,7 @@ def _lookup(meta: NMMeta, row_table: torch.Tensor, block_table: torch.Tensor, ta
     return pos.view(out_f, in_f // M, n, *tail)
 
 
-def kept_positions(meta: NMMeta) -> torch.Tensor:
+def kept_positions(meta: NMMeta, key: torch.Tensor | None = None) -> torch.Tensor:
     """int64 position (0-3) of every kept value inside its group of 4 input columns, derived from the codes by one
     table lookup per code byte (row-wise) or per block (block-wise), with no index arithmetic. Shaped so that
     `values.view(pos.shape)` and the dense matrix viewed as `(*pos.shape[:-1], 4)` line up, for `scatter_groups`
@@ -226,23 +235,119 @@ def kept_positions(meta: NMMeta) -> torch.Tensor:
         block-wise  [out / 4, 4, in / 4, N] (block-row, row in block, block, kept), a strided view
 
     Both layouts keep values row-major with N per 4-column group (a transposable block keeps N per row too), so the
-    groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value)."""
+    groups are the same and only the lookup differs. A transient, like `kept_index` (8 B per kept value).
+    `key`: `lookup_key(meta.codes)` when the caller has it (None: one cast more)."""
     device = meta.codes.device
-    return _lookup(meta, _byte_positions(device), _motif_row_columns(meta.spec.n, device), ())
+    return _lookup(meta, _byte_positions(device), _motif_row_columns(meta.spec.n, device), (), key)
 
 
-def decompress_groups(values: torch.Tensor, meta: NMMeta) -> torch.Tensor:
+def decompress_groups(values: torch.Tensor, meta: NMMeta, key: torch.Tensor | None = None) -> torch.Tensor:
     """Dense [out, in] of `values`' dtype, the matrix `scatter_groups(values, kept_positions(meta), meta.shape)`
     builds. At N = 1 a group holds one value, so the group is that value times the one-hot row of its position:
     one multiply (the lookup gives one-hot rows instead of positions, as many bytes at bf16), where the scatter
     is two kernels (zeros, then scatter). Equal for finite values (a zero slot is +-0; an inf value would write
-    nan beside it, where a scatter leaves zeros)."""
+    nan beside it, where a scatter leaves zeros). `key` as for `kept_positions`."""
     if meta.spec.n != 1:
-        return scatter_groups(values, kept_positions(meta), meta.shape)
+        return scatter_groups(values, kept_positions(meta, key), meta.shape)
     device, n = meta.codes.device, meta.spec.n
-    one_hot = _lookup(meta, _byte_one_hot(values.dtype, device), _motif_row_one_hot(n, values.dtype, device), (M,))
+    one_hot = _lookup(meta, _byte_one_hot(values.dtype, device), _motif_row_one_hot(n, values.dtype, device), (M,),
+                      key)
     # values first: the product then takes values' row-major layout, also against the block-wise strided view
     return (values.view(*one_hot.shape[:-1], 1) * one_hot).view(meta.shape)
+
+
+# ---- bags: the decompression and its gradient gather as one embedding-bag kernel each (issue 25) ----------------
+# A bag is the run of slots whose kept values fill a span of whole groups: row-wise the 4 slots of a code byte (the 4
+# P of a 3-byte period at 3:4, whose groups cross byte boundaries), block-wise the n slots of one row of a 4x4 block.
+# Each slot's key picks a table row that is the one-hot of its column inside the span, so
+#     W[span]          = sum over the bag's slots of value x table[key]       (embedding_bag, per_sample_weights)
+#     grad_value[slot] = <grad_W[span], table[key]>                           (its per-sample-weights gradient)
+# are one kernel each: no positions, no zeros to scatter into, no gather index. Every column of a span is the one-hot
+# of at most one slot, so both are exact for finite numbers (an inf or nan elsewhere in a span reaches the slot as
+# nan, as the N = 1 multiply of `decompress_groups` does).
+
+def _bag_period(n: int) -> int:
+    return 3 if n == 3 else 1
+
+
+def bags_tile(meta: NMMeta) -> bool:
+    """True when the slots fill whole bags (always block-wise; row-wise unless the last code byte of each row has
+    padding slots, or a 3:4 row ends inside a 3-byte period). The widths of the models always do."""
+    if meta.spec.layout == "block":
+        return True
+    num_bytes = meta.codes.shape[1]
+    return num_bytes * M == meta.kept_per_row and num_bytes % _bag_period(meta.spec.n) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_slots(n: int, layout: str, device: torch.device) -> torch.Tensor:
+    """int32: the offset of each slot's key from code x slots-per-bag, shaped to broadcast against the codes."""
+    cpu = torch.device("cpu")
+    if layout == "block":
+        return torch.arange(M * n, dtype=torch.int32, device=cpu).view(1, M, 1, n).to(device)   # row * n + t
+    period = _bag_period(n)
+    return torch.arange(M * period, dtype=torch.int32, device=cpu).view(period, M).to(device)  # phase * 4 + slot
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_table(n: int, layout: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[keys, span] of `dtype`: row `key` is the one-hot of that slot's column in its span (module section above)."""
+    if layout == "block":
+        cols = _motif_columns(n, torch.device("cpu")).reshape(-1)                       # [P * 4 * n], 0..3
+        return F.one_hot(cols, M).to(device, dtype)
+    period = _bag_period(n)
+    # _row_slot_table: [phase * 256 + byte, slot] -> column in the span; keys run byte-major (byte * 4P + q).
+    cols = _row_slot_table(n, torch.device("cpu")).view(period, 256, M).transpose(0, 1).reshape(-1)
+    return F.one_hot(cols, M * M * period // n).to(device, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _bag_layout(bags: int, slots: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (offsets [bags]: first slot of each bag, bag [bags * slots]: the bag of each slot), per shape."""
+    cpu = torch.device("cpu")
+    offsets = torch.arange(0, bags * slots, slots, dtype=torch.int32, device=cpu)
+    of_slot = torch.arange(bags, dtype=torch.int32, device=cpu).repeat_interleave(slots)
+    return offsets.to(device), of_slot.to(device)
+
+
+def _slots_per_bag(spec: NMSpec) -> int:
+    return spec.n if spec.layout == "block" else M * _bag_period(spec.n)
+
+
+def bag_key(meta: NMMeta) -> torch.Tensor:
+    """int32 [out * k]: every slot's table row, code x slots-per-bag + its slot offset, in values order (bag after
+    bag). One add: uint8 codes plus an int32 offset promote to int32, so no separate cast (needs `bags_tile`)."""
+    codes, n = meta.codes, meta.spec.n
+    slots = _bag_slots(n, meta.spec.layout, codes.device)
+    if meta.spec.layout == "block":
+        blocks_out, blocks_in = codes.shape
+        return torch.add(slots, codes.view(blocks_out, 1, blocks_in, 1), alpha=M * n).view(-1)
+    period = _bag_period(n)
+    return torch.add(slots, codes.view(codes.shape[0], -1, period, 1), alpha=M * period).view(-1)
+
+
+def decompress_bags(values: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
+    """`decompress(values, meta)` as one embedding-bag kernel from `bag_key(meta)` (section above)."""
+    slots = _slots_per_bag(meta.spec)
+    offsets, _ = _bag_layout(key.numel() // slots, slots, key.device)
+    table = _bag_table(meta.spec.n, meta.spec.layout, values.dtype, key.device)
+    # padding_idx None: no padding row (-1 here would make the last table row one). Detached: the forward-only
+    # kernel (callers that differentiate take `gather_bags`, as NMLinearFunction's backward does).
+    psw = values.detach().reshape(-1)
+    dense = torch.embedding_bag(table, key, offsets, False, 0, False, psw, False, None)[0]
+    return dense.view(meta.shape)
+
+
+def gather_bags(dense: torch.Tensor, meta: NMMeta, key: torch.Tensor) -> torch.Tensor:
+    """Values [out, k] of a contiguous dense [out, in] at the kept positions (`gather_groups`' result) as one kernel
+    from `bag_key(meta)`: the per-sample-weights gradient of `decompress_bags` (section above)."""
+    slots = _slots_per_bag(meta.spec)
+    bags = key.numel() // slots
+    offsets, of_slot = _bag_layout(bags, slots, key.device)
+    table = _bag_table(meta.spec.n, meta.spec.layout, dense.dtype, key.device)
+    out = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        dense.reshape(bags, -1), table, key, offsets, of_slot, 0, -1)
+    return out.view(meta.shape[0], -1)
 
 
 def scatter_groups(values: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -17,7 +17,8 @@ frame (out, in) the dense frame; index int64 [k, r * c] (row i: matrix i's flat 
     host_stats(coefficients) -> per-matrix statistics known on the host (TANS: ramp_gamma).
 
 Element-wise phases are a handful of broadcast kernels per group; Newton-Schulz runs once per group on the
-[k, out, in] batch (newton_schulz.py); scatter/gather between the frames are one scatter_/gather each.
+[k, out, in] batch (newton_schulz.py); scatter/gather between the frames are one scatter_/gather each, the dense
+frame built and read in NS's compute dtype (bf16 on a GPU) with the normalizations done on the values.
 A zero weight decay skips the decay multiply (x * 1.0 is x: the reference's numbers are unchanged).
 Pure tensor functions: no distributed code, no config objects, no logging.
 """
@@ -56,6 +57,14 @@ def _decay(master: torch.Tensor, lr: float, weight_decay: float) -> None:
         master.mul_(1 - lr * weight_decay)
 
 
+def _add_scaled_(target: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | float, value: float) -> None:
+    """target += value * scale * x, scale a float or [k, 1, 1]."""
+    if isinstance(scale, torch.Tensor):
+        target.addcmul_(x, scale, value=value)
+    else:
+        target.add_(x, alpha=value * scale)
+
+
 def _addcdiv_(target: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value: Coefficient) -> None:
     """target += value * num / den, value a float or [k, 1, 1]."""
     if isinstance(value, torch.Tensor):
@@ -66,13 +75,18 @@ def _addcdiv_(target: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value:
 
 # ---- TANS (rules_tans.py) ----------------------------------------------------------------------------------------
 
+def _scatter(index: torch.Tensor | None, frame: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda values: to_dense_stacked(values, index, frame)
+
+
 def _geometry(update: torch.Tensor, hp: TansHParams, index: torch.Tensor | None, frame: tuple[int, int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_M [k, r, c], O [k, out, in]): NS of each normalized scattered update, and its projection to each mask."""
-    dense = to_dense_stacked(update, index, frame)
-    x0 = dense / (torch.linalg.matrix_norm(dense, keepdim=True) + hp.eps)
-    ortho = newton_schulz(x0, hp.ns_steps, hp.ns_coefficients)
-    return to_values_stacked(ortho, index, update.shape), ortho
+    """(O_M fp32 [k, r, c], O [k, out, in] in Newton-Schulz's compute dtype): NS of each normalized scattered
+    update, and its projection to each mask. X0 = scatter(U) / (||U|| + eps) and NS's own normalization run as one
+    division on the values, and the scatter writes NS's compute dtype (newton_schulz's `scatter`, `pre_eps`):
+    no fp32 pass over a dense frame (issue 25)."""
+    ortho = newton_schulz(update, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame), pre_eps=hp.eps)
+    return to_values_stacked(ortho, index, update.shape).float(), ortho
 
 
 def _rms_scale(update: torch.Tensor, ortho_m: torch.Tensor, ortho: torch.Tensor, hp: TansHParams,
@@ -132,6 +146,14 @@ def tans_kernel(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch
             _split_graph()
             ortho_m, ortho = _geometry(base, hp, index, frame)
             scale = _rms_scale(base, ortho_m, ortho, hp, frame)
+            if not stats and not isinstance(gamma, torch.Tensor):
+                # The same step without U' (nothing reports it): theta -= c (1 - gamma) U + c gamma s O_M, two
+                # passes over the masters instead of a product, a lerp and an add over the values.
+                _decay(master, lr, hp.weight_decay)
+                c = -lr * (frame[0] / frame[1]) ** 0.5
+                master.add_(base, alpha=c * (1 - gamma))
+                _add_scaled_(master, ortho_m, scale, c * gamma)
+                return None
             direction = base.lerp(ortho_m * scale, gamma)   # U + gamma (s O_M - U)
     _decay(master, lr, hp.weight_decay)
     master.add_(direction, alpha=-lr * (frame[0] / frame[1]) ** 0.5)
@@ -155,8 +177,9 @@ def muon_kernel(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch
     momentum = slots["momentum"]
     momentum.lerp_(grad, 1 - hp.momentum)
     update = grad.lerp(momentum, hp.momentum) if hp.nesterov else momentum
-    ortho = newton_schulz(to_dense_stacked(update, index, frame), hp.ns_steps, hp.ns_coefficients)
+    ortho = newton_schulz(update, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame))
     _decay(master, lr, hp.weight_decay)
+    # add_ upcasts NS's compute dtype inside its kernel
     master.add_(to_values_stacked(ortho, index, master.shape), alpha=-lr * max(1.0, frame[0] / frame[1]) ** 0.5)
 
 

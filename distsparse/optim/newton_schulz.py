@@ -4,14 +4,20 @@ Owns the quintic Newton-Schulz iteration X <- a X + (b A + c A^2) X, A = X X^T (
 coefficient sets and its FLOP count. Batched over leading dims of same-shape matrices (the matrix engine runs it once
 per group of stacked matrices, distsparse/optim/matrix_groups.py). Always:
   - normalized in fp32 (a loss-scaled or large gradient must not overflow a half-precision cast),
-  - iterated on the lower-dimensional side: a tall [m, n] (m > n) input is transposed so the Gram matrix is
-    min x min, and transposed back (KellerJordan/Muon, DeepSpeed `original_muon.py`),
+  - iterated on the lower-dimensional side: the Gram matrix is min x min. A tall [m, n] (m > n) input runs the
+    transposed iteration (KellerJordan/Muon, DeepSpeed `original_muon.py`) written untransposed, A = X^T X and
+    X <- a X + X B (B is symmetric), so that no transposed copy is made,
   - iterated in `compute_dtype` (bf16 on CUDA, fp32 on CPU by default), returned in the input dtype.
+`scatter` (the matrix engine's sparse groups, group_rules.py): G holds only the kept values of sparse matrices and
+`scatter` builds the dense frame from them; the normalization runs on the values (the zeros off the support add
+nothing to a Frobenius norm), the dense matrix is built directly in `compute_dtype` and returned in it, so no fp32
+copy of a full matrix is made (issue 25).
 Pure tensor functions: no distributed code, no config objects.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +73,17 @@ def coefficient_table(coefficients: str, steps: int) -> tuple[tuple[float, float
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express", eps: float = 1e-7,
-                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  compute_dtype: torch.dtype | None = None, *,
+                  scatter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  pre_eps: float | None = None) -> torch.Tensor:
     """Approximate polar factor U V^T of every matrix in G [..., m, n]; same shape and dtype as G.
 
     X0 = G / (norm_scale * ||G||_F + eps) per matrix, in fp32, then `steps` quintic iterations in
     `compute_dtype` (default: bf16 on CUDA, fp32 elsewhere). `eps` keeps a zero matrix at zero.
+    `pre_eps`: G is to be normalized first as G / (||G||_F + pre_eps) (TANS's X0, rules_tans.py); both
+    normalizations then run as one division, G / (norm_scale ||G|| + eps (||G|| + pre_eps)), which equals them in
+    turn up to fp32 rounding. `scatter` (module docstring): G is the kept values, `scatter(X0)` the dense
+    [..., m, n] in X0's dtype; the result is that dense frame in `compute_dtype`.
     """
     if G.dim() < 2:
         raise ValueError(f"G: expected [..., m, n] with at least 2 dims, got shape {tuple(G.shape)}")
@@ -79,22 +91,23 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if G.is_cuda else torch.float32
     X = G.float()
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
     norm = torch.linalg.matrix_norm(X, keepdim=True)   # Frobenius, one per matrix
-    X = (X / (COEFFICIENT_SETS[coefficients].norm_scale * norm + eps)).to(compute_dtype)
+    scale = COEFFICIENT_SETS[coefficients].norm_scale
+    denominator = scale * norm + eps if pre_eps is None else scale * norm + eps * (norm + pre_eps)
+    # One division written in compute_dtype (computed in fp32, rounded once on the store)
+    X = torch.div(X, denominator, out=torch.empty(X.shape, dtype=compute_dtype, device=X.device))
+    if scatter is not None:
+        X = scatter(X)
     frame = X.shape
+    tall = frame[-2] > frame[-1]
     X = X.reshape(-1, *frame[-2:])   # one batch dim: a stacked group [k, m, n] is already one
     for a, b, c in table:
-        # (b A + c A^2) and a X + B X as fused batched GEMMs (modded-nanogpt's form): 4 kernels per iteration
-        A = torch.bmm(X, X.mT)                           # [batch, min, min]
+        # (b A + c A^2) and a X + B X as fused batched GEMMs (modded-nanogpt's form): 3 kernels per iteration
+        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)   # [batch, min, min]
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     X = X.view(frame)
-    if transposed:
-        X = X.mT
-    return X.to(G.dtype)
+    return X if scatter is not None else X.to(G.dtype)
 
 
 def ns_flops(m: int, n: int, steps: int = 5) -> int:

@@ -8,6 +8,8 @@ Pure tensor functions: no distributed code, no config objects.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from distsparse.nm import gather_kept, scatter_kept
@@ -52,5 +54,7 @@ def to_values_stacked(dense: torch.Tensor, index: torch.Tensor | None, values_sh
 
 
 def rms_stacked(x: torch.Tensor) -> torch.Tensor:
-    """Root mean square of each matrix of x [k, r, c]: [k, 1, 1] (no host sync)."""
-    return x.square().mean(dim=(-2, -1), keepdim=True).sqrt()
+    """Root mean square of each matrix of x [k, r, c]: fp32 [k, 1, 1] (no host sync). One norm kernel reading x
+    once, accumulating in fp32 whatever x's dtype (a bf16 Newton-Schulz output), instead of square then mean."""
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    return norm / math.sqrt(x.shape[-2] * x.shape[-1])
