@@ -57,14 +57,6 @@ def _decay(master: torch.Tensor, lr: float, weight_decay: float) -> None:
         master.mul_(1 - lr * weight_decay)
 
 
-def _add_scaled_(target: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | float, value: float) -> None:
-    """target += value * scale * x, scale a float or [k, 1, 1]."""
-    if isinstance(scale, torch.Tensor):
-        target.addcmul_(x, scale, value=value)
-    else:
-        target.add_(x, alpha=value * scale)
-
-
 def _addcdiv_(target: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value: Coefficient) -> None:
     """target += value * num / den, value a float or [k, 1, 1]."""
     if isinstance(value, torch.Tensor):
@@ -82,10 +74,12 @@ def _scatter(index: torch.Tensor | None, frame: tuple[int, int]) -> Callable[[to
 def _geometry(update: torch.Tensor, hp: TansHParams, index: torch.Tensor | None, frame: tuple[int, int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(O_M fp32 [k, r, c], O [k, out, in] in Newton-Schulz's compute dtype): NS of each normalized scattered
-    update, and its projection to each mask. X0 = scatter(U) / (||U|| + eps) and NS's own normalization run as one
-    division on the values, and the scatter writes NS's compute dtype (newton_schulz's `scatter`, `pre_eps`):
-    no fp32 pass over a dense frame (issue 25)."""
-    ortho = newton_schulz(update, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame), pre_eps=hp.eps)
+    update, and its projection to each mask. X0 = scatter(U) / (||U|| + eps) is normalized on the values and the
+    scatter writes NS's compute dtype (newton_schulz's `scatter`): no fp32 pass over a dense frame (issue 25). X0's
+    division and NS's own stay two, as in rules_tans.py: fused into one they differ by fp32 rounding, which the
+    quintic iterations amplify to ~4e-6 of the update."""
+    x0 = update / (torch.linalg.matrix_norm(update, keepdim=True) + hp.eps)
+    ortho = newton_schulz(x0, hp.ns_steps, hp.ns_coefficients, scatter=_scatter(index, frame))
     return to_values_stacked(ortho, index, update.shape).float(), ortho
 
 
@@ -146,14 +140,6 @@ def tans_kernel(master: torch.Tensor, grad: torch.Tensor, slots: dict[str, torch
             _split_graph()
             ortho_m, ortho = _geometry(base, hp, index, frame)
             scale = _rms_scale(base, ortho_m, ortho, hp, frame)
-            if not stats and not isinstance(gamma, torch.Tensor):
-                # The same step without U' (nothing reports it): theta -= c (1 - gamma) U + c gamma s O_M, two
-                # passes over the masters instead of a product, a lerp and an add over the values.
-                _decay(master, lr, hp.weight_decay)
-                c = -lr * (frame[0] / frame[1]) ** 0.5
-                master.add_(base, alpha=c * (1 - gamma))
-                _add_scaled_(master, ortho_m, scale, c * gamma)
-                return None
             direction = base.lerp(ortho_m * scale, gamma)   # U + gamma (s O_M - U)
     _decay(master, lr, hp.weight_decay)
     master.add_(direction, alpha=-lr * (frame[0] / frame[1]) ** 0.5)

@@ -74,15 +74,12 @@ def coefficient_table(coefficients: str, steps: int) -> tuple[tuple[float, float
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express", eps: float = 1e-7,
                   compute_dtype: torch.dtype | None = None, *,
-                  scatter: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  pre_eps: float | None = None) -> torch.Tensor:
+                  scatter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Approximate polar factor U V^T of every matrix in G [..., m, n]; same shape and dtype as G.
 
     X0 = G / (norm_scale * ||G||_F + eps) per matrix, in fp32, then `steps` quintic iterations in
     `compute_dtype` (default: bf16 on CUDA, fp32 elsewhere). `eps` keeps a zero matrix at zero.
-    `pre_eps`: G is to be normalized first as G / (||G||_F + pre_eps) (TANS's X0, rules_tans.py); both
-    normalizations then run as one division, G / (norm_scale ||G|| + eps (||G|| + pre_eps)), which equals them in
-    turn up to fp32 rounding. `scatter` (module docstring): G is the kept values, `scatter(X0)` the dense
+    `scatter` (module docstring): G is the kept values, `scatter(X0)` the dense
     [..., m, n] in X0's dtype; the result is that dense frame in `compute_dtype`.
     """
     if G.dim() < 2:
@@ -92,8 +89,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_ex
         compute_dtype = torch.bfloat16 if G.is_cuda else torch.float32
     X = G.float()
     norm = torch.linalg.matrix_norm(X, keepdim=True)   # Frobenius, one per matrix
-    scale = COEFFICIENT_SETS[coefficients].norm_scale
-    denominator = scale * norm + eps if pre_eps is None else scale * norm + eps * (norm + pre_eps)
+    denominator = COEFFICIENT_SETS[coefficients].norm_scale * norm + eps
     # One division written in compute_dtype (computed in fp32, rounded once on the store)
     X = torch.div(X, denominator, out=torch.empty(X.shape, dtype=compute_dtype, device=X.device))
     if scatter is not None:

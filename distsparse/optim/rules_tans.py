@@ -37,11 +37,11 @@ def ramp_gamma(hp: TansHParams, tau: int) -> float:
 
 def _geometry(update: torch.Tensor, hp: TansHParams, index: torch.Tensor | None, shape: tuple[int, int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O_M [out, k], O [out, in]): NS of the normalized scattered update and its projection to the mask."""
-    dense = to_dense(update, index, shape)
-    x0 = dense / (torch.linalg.matrix_norm(dense) + hp.eps)
-    ortho = newton_schulz(x0, hp.ns_steps, hp.ns_coefficients)
-    return to_values(ortho, index, update.shape[1]), ortho
+    """(O_M fp32 [out, k], O [out, in] in NS's compute dtype): NS of the normalized scattered update and its
+    projection to the mask; ||U||_F over the kept values (the zeros off the support add nothing)."""
+    x0 = update / (torch.linalg.matrix_norm(update) + hp.eps)
+    ortho = newton_schulz(x0, hp.ns_steps, hp.ns_coefficients, scatter=lambda values: to_dense(values, index, shape))
+    return to_values(ortho, index, update.shape[1]).float(), ortho
 
 
 def _rms_scale(update: torch.Tensor, ortho_m: torch.Tensor, ortho: torch.Tensor, hp: TansHParams,
