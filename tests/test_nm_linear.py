@@ -341,3 +341,46 @@ def test_copy_to_another_dtype_keeps_the_topology():
     half = copy.deepcopy(layer).to(torch.bfloat16)
     assert half.codes.dtype == torch.uint8 and torch.equal(half.codes, layer.codes)
     torch.testing.assert_close(half.dense_weight().float(), layer.dense_weight(), rtol=1e-2, atol=1e-2)
+
+
+def independent_mask(out_f, in_f, spec, gen):
+    """Bool [out, in]: row-wise, n columns of every group of 4 drawn here by randperm (no code of the package);
+    block-wise, `random_mask`'s legal motifs (the library is the spec). The layer is given `encode(mask)`'s codes,
+    the reference the mask itself, so a wrong bag table, key or slot order in the layer cannot cancel out."""
+    if spec.layout == "block":
+        return random_mask(out_f, in_f, spec, gen)
+    mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool)
+    for o in range(out_f):
+        for g in range(in_f // 4):
+            mask[o, g, torch.randperm(4, generator=gen)[:spec.n]] = True
+    return mask.view(out_f, in_f)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("in_f", [32, 20], ids=["bags", "padding"])   # 20: padded last code byte row-wise
+@pytest.mark.parametrize("spec", [NMSpec(n, 4, layout) for n in (1, 2) for layout in ("row", "block")], ids=str)
+def test_fp32_and_bf16_layers_equal_a_float64_reference_built_from_the_mask(spec, in_f, dtype, tol):
+    # Output, input gradient and kept-value gradient of a layer in its training dtype against float64 algebra on
+    # the dense masked weight; each error relative to the reference's largest entry (bf16 rounds every GEMM).
+    out_f, gen = 12, torch.Generator().manual_seed(in_f + spec.n)
+    mask = independent_mask(out_f, in_f, spec, gen)
+    layer = NMSparseLinear(in_f, out_f, spec, bias=True, dtype=dtype)
+    layer.set_codes(encode(mask, spec).codes)
+    with torch.no_grad():
+        layer.values.copy_(torch.randn(layer.values.shape, generator=gen))
+        layer.bias.copy_(torch.randn(out_f, generator=gen))
+    x = torch.randn(3, 5, in_f, generator=gen).to(dtype).requires_grad_(True)
+    grad_y = torch.randn(3, 5, out_f, generator=gen).to(dtype)
+    y = layer(x)
+    y.backward(grad_y)
+
+    weight = torch.zeros(out_f, in_f, dtype=torch.float64)
+    weight[mask] = layer.values.detach().double().flatten()   # row-major: each row's values at ascending columns
+    x64, g64 = x.detach().double().reshape(-1, in_f), grad_y.double().reshape(-1, out_f)
+    expected = {"y": x64 @ weight.T + layer.bias.detach().double(), "grad_x": g64 @ weight,
+                "grad_values": (g64.T @ x64)[mask].view(out_f, -1)}
+    got = {"y": y.reshape(-1, out_f), "grad_x": x.grad.reshape(-1, in_f), "grad_values": layer.values.grad}
+    for name, ref in expected.items():
+        assert got[name].dtype == dtype, name
+        err = (got[name].double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= tol, (name, err)
