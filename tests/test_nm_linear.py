@@ -384,3 +384,41 @@ def test_fp32_and_bf16_layers_equal_a_float64_reference_built_from_the_mask(spec
         assert got[name].dtype == dtype, name
         err = (got[name].double() - ref).abs().max().item() / ref.abs().max().item()
         assert err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("in_f", [16, 20], ids=["bags", "padding"])
+def test_the_saved_key_and_weight_are_freed_by_the_backward(in_f):
+    # The int32 key and W live from forward to backward only: once backward ran, nothing holds them, even while the
+    # output and its graph are still referenced (the dry run counts them as activations, test_dry_run).
+    import weakref
+    layer = NMSparseLinear(in_f, 12, NMSpec(1))
+    refs = []
+    with saved_tensors_hooks(lambda t: refs.append(weakref.ref(t)) or t, lambda t: t):
+        y = layer(torch.randn(5, in_f, requires_grad=True))
+    held = [r for r in refs if r().dtype == torch.int32 or r().shape == (12, in_f)]   # the key, W
+    assert len(held) == 2
+    y.sum().backward()
+    assert [r() for r in held] == [None, None]
+
+
+@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2), NMSpec(2, 4, "block")], ids=str)
+def test_an_inf_at_a_pruned_weight_gradient_reaches_the_kept_gradients_of_its_row_as_nonfinite(spec):
+    # The bags' per-sample-weights gradient multiplies a whole span of grad_W by a one-hot row, so a non-finite
+    # grad_W at a pruned position makes the kept gradients of its span nan (0 x inf), where a gather dropped it: the
+    # engine's finiteness check then skips the step (test_joint_step's backbone nan; test_engine's check) instead of
+    # applying it. x inf at one column: grad_W's whole column is non-finite, pruned in some rows, kept in others;
+    # every row must come out non-finite, and every finite kept gradient equal the float64 reference.
+    out_f, in_f = 8, 16
+    layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.float32)
+    _, mask = dense_masked_weight(layer)
+    col = 5
+    assert (~mask[:, col]).any()   # pruned in some row: the case a gather drops
+    x = torch.randn(3, in_f)
+    x[1, col] = float("inf")
+    grad_y = torch.randn(3, out_f)
+    layer(x).backward(grad_y)
+    grad = layer.values.grad
+    assert not torch.isfinite(grad).all(dim=1).any(), grad
+    expected = (grad_y.double().T @ x.double())[mask].view(out_f, -1)
+    finite = torch.isfinite(grad)
+    torch.testing.assert_close(grad[finite].double(), expected[finite], rtol=1e-6, atol=1e-6)
