@@ -130,10 +130,11 @@ def test_coefficient_sets_are_named_and_bad_requests_name_the_argument():
 @pytest.mark.parametrize("compute_dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)], ids=["wide", "tall", "square"])
 def test_kept_values_scattered_and_pre_normalized_equal_tans_x0_then_a_float64_reference(shape, compute_dtype, atol):
-    # The matrix engine's sparse-group call (group_rules._geometry): G is each matrix's kept values [k, r, c], `scatter` builds the
-    # dense frame, `pre_eps` folds TANS's X0 = U / (||U|| + eps) into NS's own normalization. Reference: the dense
-    # U built here, X0 by the formula, then the float64 loop. One matrix of the batch has a norm near eps, where a
-    # denominator dropping the eps (||U|| + pre_eps) term is wrong by orders of magnitude.
+    # The matrix engine's sparse-group call (group_rules._geometry): G is each matrix's kept values [k, r, c] (one
+    # norm per matrix), `scatter` builds the dense frame, `pre_eps` folds TANS's X0 = U / (||U|| + eps) into NS's own
+    # normalization. Reference: the dense U built here, X0 by the formula, then the float64 loop. One matrix of the
+    # batch has a norm near eps, where a denominator dropping the eps (||U|| + pre_eps) term is wrong by orders of
+    # magnitude.
     m, n = shape
     gen = torch.Generator().manual_seed(m * n)
     kept = n // 4   # per row of the frame, at random columns: the values [k, m, kept] are matrices too
