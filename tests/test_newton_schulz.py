@@ -125,3 +125,33 @@ def test_coefficient_sets_are_named_and_bad_requests_name_the_argument():
     assert newton_schulz(torch.randn(4, 8), steps=7, coefficients="kj_quintic").shape == (4, 8)
     with pytest.raises(ValueError, match="G: expected"):
         newton_schulz(torch.randn(4))
+
+
+@pytest.mark.parametrize("compute_dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 6e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)], ids=["wide", "tall", "square"])
+def test_kept_values_scattered_and_pre_normalized_equal_tans_x0_then_a_float64_reference(shape, compute_dtype, atol):
+    # The matrix engine's sparse-group call (group_rules._geometry): G is each matrix's kept values [k, r, c] (one
+    # norm per matrix), TANS's X0 = U / (||U|| + eps) taken on the values, `scatter` builds the dense frame.
+    # Reference: the dense U built here, X0 by the formula, then the float64 loop. One matrix of the batch has a norm
+    # near eps, where a normalization dropping eps is wrong by orders of magnitude.
+    m, n = shape
+    gen = torch.Generator().manual_seed(m * n)
+    kept = n // 4   # per row of the frame, at random columns: the values [k, m, kept] are matrices too
+    mask = torch.zeros(m, n, dtype=torch.bool).scatter_(1, torch.rand(m, n, generator=gen).argsort(1)[:, :kept], True)
+    values = torch.randn(3, m, kept, generator=gen)
+    values[1] *= 1e-7
+    values[2] *= 1e3
+
+    def scatter(v):
+        dense = v.new_zeros(v.shape[0], m, n)
+        dense[:, mask] = v.reshape(v.shape[0], -1)   # row-major: each row's values at its ascending columns
+        return dense
+
+    pre_eps = 1e-8
+    x0_values = values / (torch.linalg.matrix_norm(values, keepdim=True) + pre_eps)
+    out = newton_schulz(x0_values, coefficients="polar_express", compute_dtype=compute_dtype, scatter=scatter)
+    assert out.shape == (3, m, n) and out.dtype == compute_dtype   # the dense frame, left in the compute dtype
+    for i in range(3):
+        u = scatter(values[i:i + 1].double())[0]
+        x0 = u / (u.norm() + pre_eps)
+        torch.testing.assert_close(out[i].double(), reference_ns(x0, "polar_express"), rtol=0, atol=atol)

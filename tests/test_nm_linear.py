@@ -341,3 +341,84 @@ def test_copy_to_another_dtype_keeps_the_topology():
     half = copy.deepcopy(layer).to(torch.bfloat16)
     assert half.codes.dtype == torch.uint8 and torch.equal(half.codes, layer.codes)
     torch.testing.assert_close(half.dense_weight().float(), layer.dense_weight(), rtol=1e-2, atol=1e-2)
+
+
+def independent_mask(out_f, in_f, spec, gen):
+    """Bool [out, in]: row-wise, n columns of every group of 4 drawn here by randperm (no code of the package);
+    block-wise, `random_mask`'s legal motifs (the library is the spec). The layer is given `encode(mask)`'s codes,
+    the reference the mask itself, so a wrong bag table, key or slot order in the layer cannot cancel out."""
+    if spec.layout == "block":
+        return random_mask(out_f, in_f, spec, gen)
+    mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool)
+    for o in range(out_f):
+        for g in range(in_f // 4):
+            mask[o, g, torch.randperm(4, generator=gen)[:spec.n]] = True
+    return mask.view(out_f, in_f)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("in_f", [32, 20], ids=["bags", "padding"])   # 20: padded last code byte row-wise
+@pytest.mark.parametrize("spec", [NMSpec(n, 4, layout) for n in (1, 2) for layout in ("row", "block")], ids=str)
+def test_fp32_and_bf16_layers_equal_a_float64_reference_built_from_the_mask(spec, in_f, dtype, tol):
+    # Output, input gradient and kept-value gradient of a layer in its training dtype against float64 algebra on
+    # the dense masked weight; each error relative to the reference's largest entry (bf16 rounds every GEMM).
+    out_f, gen = 12, torch.Generator().manual_seed(in_f + spec.n)
+    mask = independent_mask(out_f, in_f, spec, gen)
+    layer = NMSparseLinear(in_f, out_f, spec, bias=True, dtype=dtype)
+    layer.set_codes(encode(mask, spec).codes)
+    with torch.no_grad():
+        layer.values.copy_(torch.randn(layer.values.shape, generator=gen))
+        layer.bias.copy_(torch.randn(out_f, generator=gen))
+    x = torch.randn(3, 5, in_f, generator=gen).to(dtype).requires_grad_(True)
+    grad_y = torch.randn(3, 5, out_f, generator=gen).to(dtype)
+    y = layer(x)
+    y.backward(grad_y)
+
+    weight = torch.zeros(out_f, in_f, dtype=torch.float64)
+    weight[mask] = layer.values.detach().double().flatten()   # row-major: each row's values at ascending columns
+    x64, g64 = x.detach().double().reshape(-1, in_f), grad_y.double().reshape(-1, out_f)
+    expected = {"y": x64 @ weight.T + layer.bias.detach().double(), "grad_x": g64 @ weight,
+                "grad_values": (g64.T @ x64)[mask].view(out_f, -1)}
+    got = {"y": y.reshape(-1, out_f), "grad_x": x.grad.reshape(-1, in_f), "grad_values": layer.values.grad}
+    for name, ref in expected.items():
+        assert got[name].dtype == dtype, name
+        err = (got[name].double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("in_f", [16, 20], ids=["bags", "padding"])
+def test_the_saved_key_and_weight_are_freed_by_the_backward(in_f):
+    # The int32 key and W live from forward to backward only: once backward ran, nothing holds them, even while the
+    # output and its graph are still referenced (the dry run counts them as activations, test_dry_run).
+    import weakref
+    layer = NMSparseLinear(in_f, 12, NMSpec(1))
+    refs = []
+    with saved_tensors_hooks(lambda t: refs.append(weakref.ref(t)) or t, lambda t: t):
+        y = layer(torch.randn(5, in_f, requires_grad=True))
+    held = [r for r in refs if r().dtype == torch.int32 or r().shape == (12, in_f)]   # the key, W
+    assert len(held) == 2
+    y.sum().backward()
+    assert [r() for r in held] == [None, None]
+
+
+@pytest.mark.parametrize("spec", [NMSpec(1), NMSpec(2), NMSpec(2, 4, "block")], ids=str)
+def test_an_inf_at_a_pruned_weight_gradient_reaches_the_kept_gradients_of_its_row_as_nonfinite(spec):
+    # The bags' per-sample-weights gradient multiplies a whole span of grad_W by a one-hot row, so a non-finite
+    # grad_W at a pruned position makes the kept gradients of its span nan (0 x inf), where a gather dropped it: the
+    # engine's finiteness check then skips the step (test_joint_step's backbone nan; test_engine's check) instead of
+    # applying it. x inf at one column: grad_W's whole column is non-finite, pruned in some rows, kept in others;
+    # every row must come out non-finite, and every finite kept gradient equal the float64 reference.
+    out_f, in_f = 8, 16
+    layer = NMSparseLinear(in_f, out_f, spec, dtype=torch.float32)
+    _, mask = dense_masked_weight(layer)
+    col = 5
+    assert (~mask[:, col]).any()   # pruned in some row: the case a gather drops
+    x = torch.randn(3, in_f)
+    x[1, col] = float("inf")
+    grad_y = torch.randn(3, out_f)
+    layer(x).backward(grad_y)
+    grad = layer.values.grad
+    assert not torch.isfinite(grad).all(dim=1).any(), grad
+    expected = (grad_y.double().T @ x.double())[mask].view(out_f, -1)
+    finite = torch.isfinite(grad)
+    torch.testing.assert_close(grad[finite].double(), expected[finite], rtol=1e-6, atol=1e-6)

@@ -24,14 +24,14 @@ Launches (issue 25 item 2; on an H200 the launches, not the bytes, are what the 
 336 calls per 350m step, every one launch-bound): the key (a uint8 + int32 add, no separate cast), W (one embedding
 bag) and grad_values (one kernel) are 3 launches beside nn.Linear's GEMMs, where a positions lookup (cast,
 embedding) with a multiply or scatter forward and a lookup and gather backward took 5-6. Forward + backward
-(bench/layer.py's count, views included) dispatch 15 aten ops at 1:4 row-wise, 5 of them kernels, and as many
-at 2:4 and block-wise, against nn.Linear's 7 (2.1x; 2.4-2.9x with the positions lookup), where rebuilding the flat int64 index (row * I + group offset
-+ table entry) took 5.3-6.1x. The key is saved rather than rebuilt in backward (one launch per call, 168 x 2 per
-350m step, for 4 B per kept value held from forward to backward); the table and the bags' offsets are per shape
-and device, cached like the lookup tables. Not taken: one index derived once per step and kept in the module: it
-is 4-8 B per kept value between calls (2-4x the bf16 values, against the memory target) and needs invalidating at
-every refresh, `set_codes`, checkpoint load and in-place all-gather of the codes. Nothing is cached per layer, so
-activation checkpointing re-runs the same forward (DESIGN decision 16)."""
+(bench/layer.py's count, views included) dispatch 15 aten ops at 1:4 row-wise, 5 of them kernels, and as many at 2:4
+and block-wise, against nn.Linear's 7 (2.1x; 2.4-2.9x with the positions lookup), where rebuilding the flat int64
+index (row * I + group offset + table entry) took 5.3-6.1x. The key is saved rather than rebuilt in backward (one
+launch per call, 168 x 2 per 350m step, for 4 B per kept value held from forward to backward); the table and the
+bags' offsets are per shape and device, cached like the lookup tables. Not taken: one index derived once per step
+and kept in the module: it is 4-8 B per kept value between calls (2-4x the bf16 values, against the memory target)
+and needs invalidating at every refresh, `set_codes`, checkpoint load and in-place all-gather of the codes. Nothing
+is cached per layer, so activation checkpointing re-runs the same forward (DESIGN decision 16)."""
 
 from __future__ import annotations
 

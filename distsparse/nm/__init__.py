@@ -12,6 +12,6 @@ from distsparse.nm.storage import (
 __all__ = [
     "NMMeta", "NMSpec", "bag_key", "bags_tile", "block_motifs", "codes_shape", "compress", "decode", "decompress",
     "decompress_bags", "decompress_groups", "encode", "gather_bags", "gather_groups", "gather_kept", "group_counts_ok",
-    "is_legal", "kept_index", "kept_positions", "lookup_key", "mask_from_scores", "motif_ids", "move_slots", "random_mask", "row_patterns", "scatter_groups",
-    "scatter_kept", "slot_map",
+    "is_legal", "kept_index", "kept_positions", "lookup_key", "mask_from_scores", "motif_ids", "move_slots",
+    "random_mask", "row_patterns", "scatter_groups", "scatter_kept", "slot_map",
 ]

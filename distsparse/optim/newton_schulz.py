@@ -8,10 +8,11 @@ per group of stacked matrices, distsparse/optim/matrix_groups.py). Always:
     transposed iteration (KellerJordan/Muon, DeepSpeed `original_muon.py`) written untransposed, A = X^T X and
     X <- a X + X B (B is symmetric), so that no transposed copy is made,
   - iterated in `compute_dtype` (bf16 on CUDA, fp32 on CPU by default), returned in the input dtype.
-`scatter` (the matrix engine's sparse groups, group_rules.py): G holds only the kept values of sparse matrices and
-`scatter` builds the dense frame from them; the normalization runs on the values (the zeros off the support add
-nothing to a Frobenius norm), the dense matrix is built directly in `compute_dtype` and returned in it, so no fp32
-copy of a full matrix is made (issue 25).
+`scatter` (the matrix engine's sparse groups, group_rules.py): G [..., r, c] holds only the kept values of sparse
+matrices, one [r, c] per matrix (its norm is taken over the last two dims, so each matrix's values must be a matrix
+there, not one flattened row of a 2-D G), and `scatter` builds the dense frame from them; the normalization runs
+on the values (the zeros off the support add nothing to a Frobenius norm), the dense matrix is built directly in
+`compute_dtype` and returned in it, so no fp32 copy of a full matrix is made (issue 25).
 Pure tensor functions: no distributed code, no config objects.
 """
 
@@ -75,7 +76,8 @@ def coefficient_table(coefficients: str, steps: int) -> tuple[tuple[float, float
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: str = "polar_express", eps: float = 1e-7,
                   compute_dtype: torch.dtype | None = None, *,
                   scatter: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Approximate polar factor U V^T of every matrix in G [..., m, n]; same shape and dtype as G.
+    """Approximate polar factor U V^T of every matrix in G [..., m, n]; same shape and dtype as G (with `scatter`:
+    the dense frame, in `compute_dtype`).
 
     X0 = G / (norm_scale * ||G||_F + eps) per matrix, in fp32, then `steps` quintic iterations in
     `compute_dtype` (default: bf16 on CUDA, fp32 elsewhere). `eps` keeps a zero matrix at zero.
