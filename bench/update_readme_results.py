@@ -34,7 +34,7 @@ DEFAULT_GLOBS = ("runs/bench/*.json", "runs/q/quality.json")   # benchmark JSON;
 SKIP_KEYS = ("machine", "config")
 DETAIL_KEYS = ("details",)   # raw measurements behind the headline figures: in the JSON, not the README
 MAX_TEXT = 80     # characters of a text value (e.g. a skip reason) kept in a cell
-MAX_COLUMNS = 12  # a wider 2-D table (per-shape timings) is named with its width, not printed
+MAX_COLUMNS = 14  # a wider 2-D table (per-shape timings) is named with its width, not printed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
