@@ -31,7 +31,7 @@ def files(tmp_path):
         "peak_rss_gb_per_rank": [7.5, 7.25],
         "model_state_bytes_per_rank": {"rank0": {"backbone": {"values": 1200000000, "codes": 75000000}}},
         "ratio_nested": {"a": {"b": 0.3}, "c": 2},
-        "per_shape": {"60m": {f"shape{i}": i for i in range(13)}},
+        "per_shape": {"60m": {f"shape{i}": i for i in range(15)}},
         "details": {"raw_seconds": 123.0},
         "machine": GPU, "config": {}}))
     (bench / "result.json").write_text(json.dumps({"step": 100, "final/val_ppl": 40.0}))   # a training run's file
@@ -74,7 +74,7 @@ def test_missing_markers_are_appended_with_every_figure_and_each_files_machine(t
     assert "| peak_rss_gb_per_rank | 7.5, 7.25 |" in section
     assert "| rank0 | 1,200,000,000 | 75,000,000 |" in section
     assert "| ratio_nested.a.b | 0.3 |" in section and "| ratio_nested.c | 2 |" in section
-    assert "per_shape: 1 rows x 13 columns, in the JSON file." in section and "shape12" not in section
+    assert "per_shape: 1 rows x 15 columns, in the JSON file." in section and "shape14" not in section
     assert "raw_seconds" not in section
     # The quality table from runs/q/quality.json (curves left out); other files under runs/q are not defaults.
     quality = text[text.index("### quality (`runs/q/quality.json`)"):]
