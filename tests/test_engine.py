@@ -270,3 +270,9 @@ def test_local_grads_nonfinite_flags_any_nan_or_inf_and_takes_empty_buffers(bad)
     assert engine.local_grads_nonfinite().item() == expected
     engine.grads.own = lambda: [torch.empty(0)]
     assert engine.local_grads_nonfinite().item() == 0.0
+
+
+def test_an_unknown_reset_mode_is_refused_when_the_engine_is_built():
+    _, _, backbone = _tiny("chtsnm_nobranch_1of4_row", layers=1)
+    with pytest.raises(ValueError, match="reset_mode: got 'some'; allowed: changed, all, none"):
+        MatrixEngine(backbone, rule="tans", hparams=get_rule("tans").hparams(lr=1e-2), reset_mode="some")

@@ -57,7 +57,7 @@ from distsparse.optim.grad_buckets import (BUCKET_BYTES, Comm, FullBuffer, Shard
                                            grad_bytes, resolve_grad_accum_mode)
 from distsparse.optim.group_rules import GROUP_RULES, per_matrix
 from distsparse.optim.matrix_groups import MatrixGroup, form_groups
-from distsparse.optim.matrix_state import RESET_MODES, init_shadow, move_state, update_shadow
+from distsparse.optim.matrix_state import check_reset_mode, init_shadow, move_state, update_shadow
 from distsparse.optim.owners import assign_owners, matrix_cost
 from distsparse.optim.rules import get_rule
 from distsparse.step_timer import NULL_TIMER, StepTimer
@@ -118,8 +118,7 @@ class MatrixEngine:
         """`modules`: the backbone by name. `grad_accum_mode` (auto | full | sharded) and `micro_batches` (per
         optimizer step) choose how gradients accumulate (grad_buckets.resolve_grad_accum_mode); `num_buckets`
         sizes full mode's buckets, `bucket_bytes` caps sharded mode's. `compile`: torch.compile the group kernels."""
-        if reset_mode not in RESET_MODES:
-            raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
+        check_reset_mode(reset_mode)   # before any state is built, not at the first refresh
         self.rule_name, self.rule, self.hp = rule, get_rule(rule), hparams
         self.group_rule = GROUP_RULES[rule]
         # One compiled callable: dynamo keeps a graph per group shape (and per float-or-tensor coefficient).

@@ -27,6 +27,12 @@ from distsparse.nm import move_slots
 RESET_MODES = ("changed", "all", "none")
 
 
+def check_reset_mode(reset_mode: str) -> None:
+    """Refuse a reset mode not in RESET_MODES, naming it (the engine at construction, move_state on each call)."""
+    if reset_mode not in RESET_MODES:
+        raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
+
+
 def init_shadow(state: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """Zero dense [out, in] fp32 shadows of every slot tensor of `state` (every key but the 0-dim counters)."""
     return {key: torch.zeros(shape, dtype=torch.float32, device=t.device)
@@ -51,8 +57,7 @@ def move_state(state: dict[str, torch.Tensor], master: torch.Tensor, slots: torc
     `slots` int64 [out * k]: new slot -> old slot or -1. Mode `none` also needs `shadow` (see `update_shadow`)
     and `new_index`, the new pattern's flat kept index.
     """
-    if reset_mode not in RESET_MODES:
-        raise ValueError(f"reset_mode: got {reset_mode!r}; allowed: {', '.join(RESET_MODES)}")
+    check_reset_mode(reset_mode)
     if reset_mode == "none" and (shadow is None or new_index is None):
         raise ValueError("reset_mode: 'none' needs the dense shadow of the state and the new kept index "
                          f"(got shadow={'set' if shadow is not None else None}, "
