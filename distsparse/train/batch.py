@@ -70,6 +70,12 @@ def resolve_batch(train, world_size: int, saved: SavedBatch | None = None) -> Ba
     return BatchPlan(target, micro, accum, world_size)
 
 
+
+def resume_plan(train, world_size: int, manifest: dict | None) -> BatchPlan:
+    """The plan of a run on `world_size` ranks resuming from the checkpoint whose manifest this is (None: fresh):
+    the one Trainer is built with and RunPart checks a checkpoint against."""
+    return resolve_batch(train, world_size, saved_batch(manifest) if manifest else None)
+
 def check_resume_position(plan: BatchPlan, saved: SavedBatch, consumed_samples: int, train) -> None:
     """ValueError, before any process group, when a resume's global batch does not divide the samples the checkpoint
     consumed: the sampler continues at a whole global batch (data/sampler.py) and would refuse it after launch."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from distsparse.checkpoint import CheckpointError, LoadedCheckpoint, Part, resume_changes
 from distsparse.config import config_to_dict
-from distsparse.train.batch import describe_resume, resolve_batch, saved_batch
+from distsparse.train.batch import describe_resume, resume_plan, saved_batch
 from distsparse.train.step_inputs import StepInputs
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class RunPart(Part):
         changes = resume_changes(m, ckpt.path, t.cfg, t.meta)   # refuses another model or method by name
         if changes:
             log.info("resume from %s: changed since the checkpoint (allowed): %s", ckpt.path, "; ".join(changes))
-        needed = resolve_batch(t.cfg.train, t.world_size, saved_batch(m))
+        needed = resume_plan(t.cfg.train, t.world_size, m)
         if needed != t.plan:
             raise CheckpointError(f"checkpoint {ckpt.path} needs the batch plan {needed}, this trainer was built "
                                   f"with {t.plan}; allowed: a Trainer built with checkpoint.resume set to it")

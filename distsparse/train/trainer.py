@@ -33,7 +33,7 @@ from distsparse.models.causal_attention import use_causal_sdpa
 from distsparse.optim.engine import MatrixEngine
 from distsparse.perf.flops import device_peak_flops, model_step_flops
 from distsparse.step_timer import StepTimer
-from distsparse.train.batch import BatchPlan, resolve_batch, saved_batch
+from distsparse.train.batch import BatchPlan, resume_plan
 from distsparse.train.deepspeed.checkpoint import DeepSpeedPart
 from distsparse.train.deepspeed.config import resolve_dtype
 from distsparse.train.joint_step import JointOptimizer, StepReport
@@ -130,7 +130,7 @@ class Trainer:
                                              cfg.checkpoint.keep_last)
         # The checkpoint comes first: its global batch can decide the accumulation DeepSpeed is built with.
         ckpt = self.checkpoints.find(cfg.checkpoint.resume) if cfg.checkpoint.resume else None
-        self.plan: BatchPlan = self._batch_plan(ckpt)
+        self.plan: BatchPlan = resume_plan(cfg.train, self.world_size, ckpt.manifest if ckpt else None)
         ds_config = {**ds_config, "gradient_accumulation_steps": self.plan.grad_accum,
                      "train_batch_size": self.plan.global_batch}
         self.engine, _, _, _ = deepspeed.initialize(
@@ -171,10 +171,6 @@ class Trainer:
         if cfg.checkpoint.resume:
             self.resume(ckpt, cfg.checkpoint.resume)
         self.writer = build_writer(cfg, self.rank, resumed=self.step > 0)
-
-    def _batch_plan(self, ckpt: LoadedCheckpoint | None) -> BatchPlan:
-        """This run's batch plan on this world size, keeping `ckpt`'s global batch where train/batch.py says."""
-        return resolve_batch(self.cfg.train, self.world_size, saved_batch(ckpt.manifest) if ckpt else None)
 
     def _dense_scheduler(self, optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: self.lr_scale(s))
